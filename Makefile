@@ -1,0 +1,42 @@
+# Two-command set-up: `make demo` and `make test` each build .venv from scratch when missing.
+PY      ?= python3
+VENV    := .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.kvdb-installed
+TORCH   := torch==2.13.0
+PYTEST_ARGS ?=
+
+.PHONY: demo test bench install clean native
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+$(STAMP): $(BIN)/python pyproject.toml setup.py native/kvdb_native.c native/build.py
+	@# the CPU build of torch first: an unpinned torch requirement pulls a multi-GB CUDA build
+	$(BIN)/pip install -q $(TORCH)
+	$(BIN)/pip install -q setuptools wheel cffi
+	$(BIN)/pip install -q --no-build-isolation -e '.[dev]'
+	@# the Mooncake Transfer Engine needs the verbs libraries even for TCP; optional elsewhere
+	-@if command -v apt-get >/dev/null 2>&1 && ! ldconfig -p | grep -q libibverbs.so.1; then \
+		(apt-get update -qq && apt-get install -y -qq libibverbs1 librdmacm1) >/dev/null 2>&1 || true; fi
+	-$(BIN)/pip install -q 'mooncake-transfer-engine-non-cuda>=0.3.13' || echo 'kvdb: Mooncake Transfer Engine not installed; replication uses plain TCP'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+native: $(STAMP)
+	$(BIN)/pip install -q --no-build-isolation -e . --no-deps
+
+demo: $(STAMP)
+	$(BIN)/kvdb demo
+
+test: $(STAMP)
+	HYPOTHESIS_PROFILE=$${HYPOTHESIS_PROFILE:-ci} $(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+bench: $(STAMP)
+	$(BIN)/kvdb bench datapath
+	$(BIN)/kvdb bench keys
+
+clean:
+	rm -rf $(VENV) build *.egg-info kvdb/_native*.so

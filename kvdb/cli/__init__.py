@@ -1,0 +1,1 @@
+"""kvdb's command line (click). Thin: parse, call the public API, render."""

@@ -1,0 +1,43 @@
+"""``kvdb`` entry point. Each command group lives in its own module and registers here.
+
+Exit codes: 0 ok, 1 runtime error, 2 usage, 3 corruption found.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+import click
+
+from kvdb import __version__
+from kvdb.errors import CorruptionError, KvdbError
+
+# modules under kvdb/cli/ whose ``register(cli)`` adds their commands
+COMMAND_MODULES = [
+    "kvdb.cli.store",
+]
+
+
+class KvdbGroup(click.Group):
+    """Maps kvdb errors to the documented exit codes with a one-line message on stderr."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except CorruptionError as e:
+            click.echo(f"kvdb: corruption: {e}", err=True)
+            sys.exit(3)
+        except KvdbError as e:
+            click.echo(f"kvdb: error: {e}", err=True)
+            sys.exit(1)
+
+
+@click.group(cls=KvdbGroup)
+@click.version_option(__version__, prog_name="kvdb")
+def cli() -> None:
+    """kvdb: an embedded storage engine for LLM KV-cache blocks."""
+
+
+for _name in COMMAND_MODULES:
+    importlib.import_module(_name).register(cli)

@@ -1,0 +1,62 @@
+"""The exception tree of kvdb (STYLE.md "Errors").
+
+Every error kvdb raises on purpose is a ``KvdbError``. Outcomes that are part of normal
+operation -- a cache miss, no free frame, a rejected hint -- are return values, never
+exceptions. Messages say what was wrong and what to do about it.
+
+    KvdbError
+    ├── CorruptionError      stored bytes fail a checksum, key or format check
+    ├── StorageIOError       the file layer failed (ENOSPC, EIO, ...); the Db becomes failed
+    │   └── DbFailedError    a call on a Db in the sticky failed state
+    ├── CapacityError        a capacity that cannot hold even one page, or a full pinned tier
+    ├── InvalidInput         bad arguments (also a ValueError)
+    ├── NotFound             an unknown key, session or path (also a KeyError)
+    ├── DbLockedError        the path is open in another process or Db
+    ├── ReplicationError     a peer or stream failed
+    └── AuthError            a peer failed authentication
+"""
+
+from __future__ import annotations
+
+
+class KvdbError(Exception):
+    """Base of every error kvdb raises on purpose."""
+
+
+class CorruptionError(KvdbError):
+    """Stored bytes failed a checksum, key or format check."""
+
+
+class StorageIOError(KvdbError):
+    """The file layer failed. The Db that saw it is in the sticky failed state."""
+
+
+class DbFailedError(StorageIOError):
+    """The Db is in the sticky failed state after an I/O error: close it and open it again."""
+
+
+class CapacityError(KvdbError):
+    """A capacity too small for one page, or no evictable page where one is required."""
+
+
+class InvalidInput(KvdbError, ValueError):
+    """An argument is malformed: wrong shape, dtype, device, range or type."""
+
+
+class NotFound(KvdbError, KeyError):
+    """A key, session or path that is not there."""
+
+    def __str__(self) -> str:  # KeyError quotes its argument; keep the message readable
+        return str(self.args[0]) if self.args else ""
+
+
+class DbLockedError(KvdbError):
+    """The data directory is already open (in this or another process)."""
+
+
+class ReplicationError(KvdbError):
+    """A replication peer or stream failed."""
+
+
+class AuthError(ReplicationError):
+    """A peer failed authentication (no or wrong shared secret)."""

@@ -1,0 +1,258 @@
+"""Block identity: namespaces and prefix hash chains (DESIGN.md "Block identity").
+
+Namespace digest
+    A namespace covers everything that makes two KV blocks incompatible: model id and revision,
+    dtype and layout, tensor / pipeline rank, and the tenant salt. It is SHA-256 over a
+    version tag followed by every field in a fixed order, each encoded as
+
+        field_no u8 | present u8 (0/1) | length u32 LE | value bytes
+
+    (strings UTF-8, ints as i64 LE), truncated to 16 bytes. Presence tags and length prefixes
+    keep absent, empty and concatenated values apart; nothing depends on Python's per-process
+    hash seed, so every process and every node computes the same keys.
+
+Chain
+    key_0 = H(ns || tokens_0), key_i = H(key_{i-1} || tokens_i); tokens are uint32 LE, only
+    full blocks get keys, H is SHA-256 truncated to 16 bytes (default; collision resistant,
+    prompts are attacker input) or xxh3-128 (opt-in, trusted single-tenant deployments).
+
+Tenants
+    salt = HMAC-SHA256(key_secret, "tenant" || name)[:16]; each tenant gets its own chains, so a
+    lookup by one tenant can never hit (or time) another tenant's blocks. A prompt may declare
+    its first ``public_prefix_tokens`` public (a published system prompt or tool schema): those
+    blocks chain in the public namespace (no salt) and are shared by all tenants; the chain
+    then rebases into the tenant's namespace: seed = H(ns_tenant || last_public_key).
+
+Engine keys
+    Engines that hash blocks themselves (vLLM, SGLang) pass their own hashes;
+    ``engine_keys`` maps each into the tenant's namespace as H(ns || "engine" || hash).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import struct
+from typing import Iterable, Sequence
+
+import numpy as np
+import xxhash
+
+from kvdb import native
+from kvdb.buffer_pool.layout import BlockLayout
+from kvdb.errors import InvalidInput
+from kvdb.types import KEY_BYTES, BlockKey
+
+NS_VERSION = b"kvdb-namespace-v1"
+ALGORITHMS = ("sha256", "xxh3_128")
+DEFAULT_TENANT = "default"
+_UINT32_MAX = 0xFFFFFFFF
+
+
+def _field(no: int, value) -> bytes:
+    if value is None:
+        return struct.pack("<BBI", no, 0, 0)
+    if isinstance(value, bool):
+        raise InvalidInput(f"namespace field {no} must not be a bool")
+    if isinstance(value, int):
+        raw = struct.pack("<q", value)
+    elif isinstance(value, str):
+        raw = value.encode("utf-8")
+    elif isinstance(value, (bytes, bytearray)):
+        raw = bytes(value)
+    else:
+        raise InvalidInput(f"namespace field {no} has unsupported type {type(value).__name__}")
+    return struct.pack("<BBI", no, 1, len(raw)) + raw
+
+
+def namespace_digest(
+    *,
+    model_id: str,
+    layout: BlockLayout,
+    algo: str = "sha256",
+    model_revision: str | None = None,
+    tp_rank: int | None = None,
+    tp_size: int | None = None,
+    pp_rank: int | None = None,
+    pp_size: int | None = None,
+    tenant_salt: bytes | None = None,
+) -> bytes:
+    """The 16-byte namespace digest (field numbers are stable: never renumber)."""
+    if not isinstance(model_id, str) or not model_id:
+        raise InvalidInput("model_id must be a non-empty string")
+    fields = [
+        model_id,
+        model_revision,
+        layout.dtype_name,
+        layout.num_layers,
+        layout.num_kv_heads,
+        layout.head_dim,
+        layout.block_tokens,
+        tp_rank,
+        tp_size,
+        pp_rank,
+        pp_size,
+        tenant_salt,
+        algo,
+    ]
+    h = hashlib.sha256(NS_VERSION)
+    for no, value in enumerate(fields):
+        h.update(_field(no, value))
+    return h.digest()[:KEY_BYTES]
+
+
+def tenant_salt(key_secret: bytes, tenant: str) -> bytes:
+    if not isinstance(tenant, str) or not tenant:
+        raise InvalidInput(f"tenant must be a non-empty string, got {tenant!r}")
+    return hmac.new(key_secret, b"tenant\x00" + tenant.encode("utf-8"), hashlib.sha256).digest()[:KEY_BYTES]
+
+
+def as_token_array(token_ids) -> np.ndarray:
+    """Token ids (list, tuple, numpy, torch; 1-D or [1, n]) as a contiguous uint32 array."""
+    if hasattr(token_ids, "detach"):  # torch tensor, on any device
+        t = token_ids.detach()
+        if t.dim() == 2 and t.shape[0] == 1:
+            t = t[0]
+        if t.dim() != 1:
+            raise InvalidInput(f"token_ids must be 1-D (or [1, n]), got shape {tuple(t.shape)}")
+        if t.is_floating_point() or t.is_complex():
+            raise InvalidInput(f"token_ids must be integers, got {t.dtype}")
+        arr = t.cpu().numpy()
+    else:
+        arr = np.asarray(token_ids)
+        if arr.ndim == 2 and arr.shape[0] == 1:
+            arr = arr[0]
+        if arr.ndim != 1:
+            raise InvalidInput(f"token_ids must be 1-D (or [1, n]), got shape {arr.shape}")
+        if arr.size and arr.dtype.kind not in "iu":
+            raise InvalidInput(f"token_ids must be integers, got dtype {arr.dtype}")
+    if arr.size == 0:
+        return np.zeros(0, dtype="<u4")
+    if arr.dtype != np.uint32:
+        lo, hi = int(arr.min()), int(arr.max())
+        if lo < 0 or hi > _UINT32_MAX:
+            bad = lo if lo < 0 else hi
+            raise InvalidInput(f"token id {bad} is outside uint32 [0, {_UINT32_MAX}]")
+    return np.ascontiguousarray(arr, dtype="<u4")
+
+
+def _xxh3_chain(seed: bytes, toks: np.ndarray, block_tokens: int) -> bytes:
+    n = toks.size // block_tokens
+    raw = toks[: n * block_tokens].tobytes()
+    step = block_tokens * 4
+    out = bytearray()
+    prev = seed
+    for i in range(n):
+        prev = xxhash.xxh3_128_digest(prev + raw[i * step : (i + 1) * step])
+        out += prev
+    return bytes(out)
+
+
+def split_keys(buf: bytes) -> list[BlockKey]:
+    return [BlockKey(buf[i : i + KEY_BYTES]) for i in range(0, len(buf), KEY_BYTES)]
+
+
+class KeySpace:
+    """Computes block keys for one model deployment; namespaces are cached per tenant."""
+
+    def __init__(
+        self,
+        *,
+        model_id: str,
+        layout: BlockLayout,
+        key_secret: bytes,
+        algo: str = "sha256",
+        model_revision: str | None = None,
+        tp_rank: int | None = None,
+        tp_size: int | None = None,
+        pp_rank: int | None = None,
+        pp_size: int | None = None,
+    ) -> None:
+        if algo not in ALGORITHMS:
+            raise InvalidInput(f"unknown key algorithm {algo!r}; one of {ALGORITHMS}")
+        if not isinstance(key_secret, (bytes, bytearray)) or len(key_secret) < 16:
+            raise InvalidInput("key_secret must be at least 16 bytes")
+        self.layout = layout
+        self.algo = algo
+        self._secret = bytes(key_secret)
+        self._ns_args = dict(
+            model_id=model_id,
+            layout=layout,
+            algo=algo,
+            model_revision=model_revision,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            pp_rank=pp_rank,
+            pp_size=pp_size,
+        )
+        self.public_namespace = namespace_digest(**self._ns_args, tenant_salt=None)
+        self._tenant_ns: dict[str, bytes] = {}
+
+    def namespace(self, tenant: str = DEFAULT_TENANT) -> bytes:
+        ns = self._tenant_ns.get(tenant)
+        if ns is None:
+            ns = namespace_digest(**self._ns_args, tenant_salt=tenant_salt(self._secret, tenant))
+            self._tenant_ns[tenant] = ns
+        return ns
+
+    def _chain(self, seed: bytes, toks: np.ndarray) -> bytes:
+        if self.algo == "sha256":
+            return native.sha256_chain(seed, toks, self.layout.block_tokens)
+        return _xxh3_chain(seed, toks, self.layout.block_tokens)
+
+    def _rebase(self, ns: bytes, last_key: bytes) -> bytes:
+        return hashlib.sha256(ns + last_key).digest()[:KEY_BYTES]
+
+    def block_keys_bytes(
+        self, token_ids, tenant: str = DEFAULT_TENANT, public_prefix_tokens: int = 0
+    ) -> bytes:
+        """All full blocks' keys, concatenated (16 bytes each): the allocation-free form."""
+        toks = as_token_array(token_ids)
+        bt = self.layout.block_tokens
+        if not isinstance(public_prefix_tokens, int) or public_prefix_tokens < 0:
+            raise InvalidInput(f"public_prefix_tokens must be an int >= 0, got {public_prefix_tokens!r}")
+        ns = self.namespace(tenant)
+        n_public = min(public_prefix_tokens // bt, toks.size // bt)
+        if n_public == 0:
+            return self._chain(ns, toks)
+        public = self._chain(self.public_namespace, toks[: n_public * bt])
+        rest = self._chain(self._rebase(ns, public[-KEY_BYTES:]), toks[n_public * bt :])
+        return public + rest
+
+    def block_keys(
+        self, token_ids, tenant: str = DEFAULT_TENANT, public_prefix_tokens: int = 0
+    ) -> list[BlockKey]:
+        return split_keys(self.block_keys_bytes(token_ids, tenant, public_prefix_tokens))
+
+    def engine_keys(self, hashes: Iterable[int | bytes], tenant: str = DEFAULT_TENANT) -> list[BlockKey]:
+        """Map an engine's own block hashes (ints or bytes) into the tenant's namespace."""
+        ns = self.namespace(tenant)
+        out = []
+        for h in hashes:
+            if isinstance(h, (bytes, bytearray)):
+                raw = bytes(h)
+            elif isinstance(h, (int, np.integer)) and not isinstance(h, bool):
+                v = int(h)
+                raw = v.to_bytes(max(1, (v.bit_length() + 8) // 8), "little", signed=True)
+            else:
+                raise InvalidInput(f"engine hash must be int or bytes, got {type(h).__name__}")
+            out.append(BlockKey(hashlib.sha256(ns + b"engine\x00" + raw).digest()[:KEY_BYTES]))
+        return out
+
+
+def normalize_keys(keys) -> list[BlockKey]:
+    """Keys as a list of 16-byte ``bytes``; accepts a list/tuple of bytes or an [n, 16] uint8 array."""
+    if isinstance(keys, np.ndarray):
+        if keys.dtype != np.uint8 or keys.ndim != 2 or keys.shape[1] != KEY_BYTES:
+            raise InvalidInput(f"a key array must be uint8 [n, {KEY_BYTES}], got {keys.dtype} {keys.shape}")
+        return split_keys(keys.tobytes())
+    if isinstance(keys, (bytes, bytearray)):
+        raise InvalidInput("keys must be a sequence of 16-byte keys, not one bytes object")
+    out: Sequence = keys if isinstance(keys, list) else list(keys)
+    for k in out:
+        if type(k) is not bytes or len(k) != KEY_BYTES:
+            if isinstance(k, (bytearray, memoryview)) and len(k) == KEY_BYTES:
+                out = [bytes(x) for x in out]
+                break
+            raise InvalidInput(f"each key must be {KEY_BYTES} bytes, got {k!r:.60}")
+    return out  # type: ignore[return-value]

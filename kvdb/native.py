@@ -1,0 +1,131 @@
+"""The only importer of kvdb's compiled core (``kvdb._native``, built from native/ by cffi).
+
+Each native function has a pure-Python twin (``py_*``) that defines its meaning;
+tests/test_native.py asserts that the two agree. The twins are also the fallback when the
+compiled module is missing (``KVDB_PURE_PYTHON=1`` forces them), so kvdb still runs, slowly,
+where the C core could not be built.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+
+import numpy as np
+
+from kvdb.errors import InvalidInput
+from kvdb.types import KEY_BYTES
+
+if sys.byteorder != "little":  # token bytes and on-disk integers are little-endian
+    raise ImportError("kvdb supports little-endian hosts only")
+
+_lib = None
+_ffi = None
+if not os.environ.get("KVDB_PURE_PYTHON"):
+    try:
+        from kvdb._native import ffi as _ffi, lib as _lib  # type: ignore[import-not-found]
+    except ImportError:  # pragma: no cover - exercised only on broken installs
+        _lib = None
+
+HAVE_NATIVE = _lib is not None
+
+# ---------------------------------------------------------------- crc32c
+
+_CRC_TABLE: list[int] = []
+
+
+def _crc_table() -> list[int]:
+    if not _CRC_TABLE:
+        for i in range(256):
+            c = i
+            for _ in range(8):
+                c = (c >> 1) ^ 0x82F63B78 if c & 1 else c >> 1
+            _CRC_TABLE.append(c)
+    return _CRC_TABLE
+
+
+def py_crc32c(data, value: int = 0) -> int:
+    """CRC-32C (Castagnoli), continuing from ``value``; bit-for-bit the native function."""
+    table = _crc_table()
+    crc = value ^ 0xFFFFFFFF
+    for b in memoryview(data).cast("B"):
+        crc = table[(crc ^ b) & 0xFF] ^ (crc >> 8)
+    return crc ^ 0xFFFFFFFF
+
+
+def crc32c(data, value: int = 0) -> int:
+    """CRC-32C of any buffer (bytes, memoryview, numpy array, contiguous CPU tensor bytes)."""
+    if _lib is None:
+        return py_crc32c(data, value)
+    buf = _ffi.from_buffer(data)
+    return _lib.kvdb_crc32c(value, buf, len(buf))
+
+
+# ---------------------------------------------------------------- hash chains
+
+
+def py_sha256_chain(seed: bytes, tokens: np.ndarray, block_tokens: int) -> bytes:
+    """key_i = SHA-256(key_{i-1} || tokens_i as uint32 LE)[:16], key_{-1} = seed."""
+    toks = np.ascontiguousarray(tokens, dtype="<u4")
+    n_blocks = toks.size // block_tokens
+    raw = toks[: n_blocks * block_tokens].tobytes()
+    step = block_tokens * 4
+    out = bytearray()
+    prev = seed
+    for i in range(n_blocks):
+        prev = hashlib.sha256(prev + raw[i * step : (i + 1) * step]).digest()[:KEY_BYTES]
+        out += prev
+    return bytes(out)
+
+
+def sha256_chain(seed: bytes, tokens: np.ndarray, block_tokens: int) -> bytes:
+    """Chain keys of every full block of ``tokens`` (uint32), concatenated (16 bytes each)."""
+    if len(seed) != KEY_BYTES:
+        raise InvalidInput(f"chain seed must be {KEY_BYTES} bytes, got {len(seed)}")
+    if _lib is None:
+        return py_sha256_chain(seed, tokens, block_tokens)
+    toks = np.ascontiguousarray(tokens, dtype="<u4")
+    n_blocks = toks.size // block_tokens
+    out = bytearray(n_blocks * KEY_BYTES)
+    if n_blocks:
+        _lib.kvdb_sha256_chain(
+            _ffi.from_buffer(seed),
+            _ffi.cast("const uint32_t *", _ffi.from_buffer(toks)),
+            n_blocks,
+            block_tokens,
+            _ffi.from_buffer(out),
+        )
+    return bytes(out)
+
+
+# ---------------------------------------------------------------- page copies
+
+
+def py_copy_pages(dst: np.ndarray, dst_frames, src: np.ndarray, src_frames, page_bytes: int) -> None:
+    """dst page dst_frames[i] := src page src_frames[i]; ``None`` frames mean 0..n-1."""
+    n = len(dst_frames if dst_frames is not None else src_frames)
+    d2 = dst.reshape(-1, page_bytes)
+    s2 = src.reshape(-1, page_bytes)
+    for i in range(n):
+        d = i if dst_frames is None else int(dst_frames[i])
+        s = i if src_frames is None else int(src_frames[i])
+        d2[d] = s2[s]
+
+
+def copy_pages(dst: np.ndarray, dst_frames, src: np.ndarray, src_frames, page_bytes: int) -> None:
+    """Whole-page memcpy between two uint8 buffers in one native call (no Python loop)."""
+    if _lib is None:
+        py_copy_pages(dst, dst_frames, src, src_frames, page_bytes)
+        return
+    df = None if dst_frames is None else np.ascontiguousarray(dst_frames, dtype=np.int64)
+    sf = None if src_frames is None else np.ascontiguousarray(src_frames, dtype=np.int64)
+    n = len(df if df is not None else sf)
+    _lib.kvdb_copy_pages(
+        _ffi.cast("uint8_t *", _ffi.from_buffer(dst)),
+        _ffi.NULL if df is None else _ffi.cast("const int64_t *", _ffi.from_buffer(df)),
+        _ffi.cast("const uint8_t *", _ffi.from_buffer(src)),
+        _ffi.NULL if sf is None else _ffi.cast("const int64_t *", _ffi.from_buffer(sf)),
+        page_bytes,
+        n,
+    )
