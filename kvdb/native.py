@@ -83,6 +83,8 @@ def sha256_chain(seed: bytes, tokens: np.ndarray, block_tokens: int) -> bytes:
     """Chain keys of every full block of ``tokens`` (uint32), concatenated (16 bytes each)."""
     if len(seed) != KEY_BYTES:
         raise InvalidInput(f"chain seed must be {KEY_BYTES} bytes, got {len(seed)}")
+    if not isinstance(block_tokens, (int, np.integer)) or block_tokens <= 0:
+        raise InvalidInput(f"block_tokens must be a positive int, got {block_tokens!r}")
     if _lib is None:
         return py_sha256_chain(seed, tokens, block_tokens)
     toks = np.ascontiguousarray(tokens, dtype="<u4")
@@ -102,9 +104,31 @@ def sha256_chain(seed: bytes, tokens: np.ndarray, block_tokens: int) -> bytes:
 # ---------------------------------------------------------------- page copies
 
 
+def _check_copy(dst, dst_frames, src, src_frames, page_bytes: int):
+    """Frames as int64 arrays (or None) and the page count, after the bounds checks that keep
+    the native memcpy inside both buffers."""
+    if not isinstance(page_bytes, (int, np.integer)) or page_bytes <= 0:
+        raise InvalidInput(f"page_bytes must be a positive int, got {page_bytes!r}")
+    if dst_frames is None and src_frames is None:
+        raise InvalidInput("copy_pages needs dst_frames or src_frames (both None gives no count)")
+    if memoryview(dst).readonly:
+        raise InvalidInput("copy_pages destination buffer is read-only")
+    df = None if dst_frames is None else np.ascontiguousarray(dst_frames, dtype=np.int64).reshape(-1)
+    sf = None if src_frames is None else np.ascontiguousarray(src_frames, dtype=np.int64).reshape(-1)
+    if df is not None and sf is not None and df.size != sf.size:
+        raise InvalidInput(f"copy_pages got {df.size} dst frames but {sf.size} src frames")
+    n = df.size if df is not None else sf.size
+    for name, buf, frames in (("dst", dst, df), ("src", src, sf)):
+        num_pages = memoryview(buf).nbytes // page_bytes
+        hi = n if frames is None else (int(frames.max()) + 1 if n else 0)
+        if (frames is not None and n and int(frames.min()) < 0) or hi > num_pages:
+            raise InvalidInput(f"copy_pages {name} frames outside the {num_pages} pages of the buffer")
+    return df, sf, n
+
+
 def py_copy_pages(dst: np.ndarray, dst_frames, src: np.ndarray, src_frames, page_bytes: int) -> None:
     """dst page dst_frames[i] := src page src_frames[i]; ``None`` frames mean 0..n-1."""
-    n = len(dst_frames if dst_frames is not None else src_frames)
+    dst_frames, src_frames, n = _check_copy(dst, dst_frames, src, src_frames, page_bytes)
     d2 = dst.reshape(-1, page_bytes)
     s2 = src.reshape(-1, page_bytes)
     for i in range(n):
@@ -118,9 +142,7 @@ def copy_pages(dst: np.ndarray, dst_frames, src: np.ndarray, src_frames, page_by
     if _lib is None:
         py_copy_pages(dst, dst_frames, src, src_frames, page_bytes)
         return
-    df = None if dst_frames is None else np.ascontiguousarray(dst_frames, dtype=np.int64)
-    sf = None if src_frames is None else np.ascontiguousarray(src_frames, dtype=np.int64)
-    n = len(df if df is not None else sf)
+    df, sf, n = _check_copy(dst, dst_frames, src, src_frames, page_bytes)
     _lib.kvdb_copy_pages(
         _ffi.cast("uint8_t *", _ffi.from_buffer(dst)),
         _ffi.NULL if df is None else _ffi.cast("const int64_t *", _ffi.from_buffer(df)),

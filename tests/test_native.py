@@ -1,0 +1,235 @@
+"""kvdb.native: every native function agrees with its pure-Python twin (STYLE.md "Layout"),
+plus known-answer vectors that pin the meaning of the twins themselves."""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvdb import native
+from kvdb.errors import InvalidInput
+from kvdb.types import KEY_BYTES
+
+pytestmark = pytest.mark.skipif(not native.HAVE_NATIVE, reason="compiled core kvdb._native not built")
+
+u32 = st.integers(min_value=0, max_value=0xFFFFFFFF)
+
+
+# ---------------------------------------------------------------- crc32c
+
+
+@pytest.mark.parametrize("fn", [native.crc32c, native.py_crc32c], ids=["native", "python"])
+def test_crc32c_known_answers(fn):
+    # RFC 3720 (iSCSI) appendix B.4 and the canonical check value
+    assert fn(b"123456789") == 0xE3069283
+    assert fn(bytes(32)) == 0x8A9136AA
+    assert fn(b"\xff" * 32) == 0x62A8AB43
+    assert fn(bytes(range(32))) == 0x46DD794E
+    assert fn(b"") == 0
+    assert fn(b"", 0x12345678) == 0x12345678
+
+
+@given(data=st.binary(max_size=300), value=u32)
+def test_crc32c_native_matches_python(data, value):
+    assert native.crc32c(data, value) == native.py_crc32c(data, value)
+
+
+@given(data=st.binary(max_size=200), cut=st.integers(min_value=0, max_value=200))
+def test_crc32c_continuation_equals_whole(data, cut):
+    cut = min(cut, len(data))
+    whole = native.crc32c(data)
+    assert native.crc32c(data[cut:], native.crc32c(data[:cut])) == whole
+    assert native.py_crc32c(data[cut:], native.py_crc32c(data[:cut])) == whole
+
+
+@given(data=st.binary(min_size=1, max_size=100), offset=st.integers(min_value=0, max_value=15))
+def test_crc32c_unaligned_buffers(data, offset):
+    # a view starting `offset` bytes into an 8-aligned numpy buffer exercises the head loop
+    backing = np.zeros(len(data) + 16, dtype=np.uint8)
+    backing[offset : offset + len(data)] = np.frombuffer(data, dtype=np.uint8)
+    view = backing[offset : offset + len(data)]
+    assert native.crc32c(view) == native.py_crc32c(data) == native.crc32c(data)
+    assert native.crc32c(memoryview(backing)[offset : offset + len(data)]) == native.py_crc32c(data)
+
+
+def test_crc32c_accepts_typed_buffers():
+    arr = np.arange(100, dtype=np.uint32)
+    assert native.crc32c(arr) == native.py_crc32c(arr.tobytes())
+    assert native.crc32c(bytearray(b"abc")) == native.py_crc32c(b"abc")
+
+
+# ---------------------------------------------------------------- sha256 chains
+
+
+def _reference_chain(seed: bytes, tokens: list[int], block_tokens: int) -> bytes:
+    """An independent spelling of DESIGN.md's chain: struct-packed tokens, hashlib.sha256."""
+    out, prev = b"", seed
+    for i in range(len(tokens) // block_tokens):
+        blk = tokens[i * block_tokens : (i + 1) * block_tokens]
+        prev = hashlib.sha256(prev + struct.pack(f"<{len(blk)}I", *blk)).digest()[:16]
+        out += prev
+    return out
+
+
+def test_sha256_chain_known_answer():
+    seed = bytes(range(16))
+    toks = np.array([1, 2, 3, 4, 5, 6, 7, 8, 9], dtype=np.uint32)
+    first = hashlib.sha256(seed + struct.pack("<4I", 1, 2, 3, 4)).digest()[:16]
+    second = hashlib.sha256(first + struct.pack("<4I", 5, 6, 7, 8)).digest()[:16]
+    assert native.sha256_chain(seed, toks, 4) == first + second
+    assert native.py_sha256_chain(seed, toks, 4) == first + second
+
+
+@given(
+    seed=st.binary(min_size=16, max_size=16),
+    tokens=st.lists(u32, max_size=80),
+    block_tokens=st.integers(min_value=1, max_value=20),
+)
+def test_sha256_chain_native_matches_python_and_reference(seed, tokens, block_tokens):
+    toks = np.array(tokens, dtype=np.uint32)
+    got = native.sha256_chain(seed, toks, block_tokens)
+    assert len(got) == (len(tokens) // block_tokens) * KEY_BYTES  # only full blocks
+    assert got == native.py_sha256_chain(seed, toks, block_tokens)
+    assert got == _reference_chain(seed, tokens, block_tokens)
+
+
+@given(
+    tokens=st.lists(u32, min_size=8, max_size=40),
+    offset=st.integers(min_value=1, max_value=3),
+    block_tokens=st.integers(min_value=1, max_value=8),
+)
+def test_sha256_chain_unaligned_and_strided_tokens(tokens, offset, block_tokens):
+    seed = b"\x5a" * 16
+    want = _reference_chain(seed, tokens, block_tokens)
+    # uint32 tokens starting at a byte offset that is not 4-aligned
+    raw = np.zeros(len(tokens) * 4 + 8, dtype=np.uint8)
+    raw[offset : offset + len(tokens) * 4] = np.frombuffer(np.array(tokens, "<u4").tobytes(), np.uint8)
+    unaligned = raw[offset : offset + len(tokens) * 4].view("<u4")
+    assert native.sha256_chain(seed, unaligned, block_tokens) == want
+    # a strided view and a wider dtype are made contiguous uint32 first
+    strided = np.repeat(np.array(tokens, dtype=np.uint32), 2)[::2]
+    assert native.sha256_chain(seed, strided, block_tokens) == want
+    assert native.sha256_chain(seed, np.array(tokens, dtype=np.int64), block_tokens) == want
+
+
+def test_sha256_chain_prefix_property():
+    # a key names its whole prefix: extending the prompt never changes earlier keys
+    seed = bytes(16)
+    toks = np.arange(64, dtype=np.uint32)
+    full = native.sha256_chain(seed, toks, 8)
+    assert native.sha256_chain(seed, toks[:40], 8) == full[: 5 * 16]
+    changed = toks.copy()
+    changed[20] += 1
+    other = native.sha256_chain(seed, changed, 8)
+    assert other[: 2 * 16] == full[: 2 * 16]
+    assert all(other[i * 16 : (i + 1) * 16] != full[i * 16 : (i + 1) * 16] for i in range(2, 8))
+
+
+def test_sha256_chain_rejects_bad_seed_and_block_size():
+    toks = np.arange(8, dtype=np.uint32)
+    with pytest.raises(InvalidInput, match="16 bytes"):
+        native.sha256_chain(b"short", toks, 4)
+    for bad in (0, -4, 2.0):
+        with pytest.raises(InvalidInput, match="block_tokens"):
+            native.sha256_chain(bytes(16), toks, bad)
+
+
+# ---------------------------------------------------------------- page copies
+
+
+@st.composite
+def _copy_case(draw):
+    page_bytes = draw(st.integers(min_value=1, max_value=64))
+    num_src = draw(st.integers(min_value=1, max_value=12))
+    num_dst = draw(st.integers(min_value=1, max_value=12))
+    n = draw(st.integers(min_value=0, max_value=min(num_src, num_dst)))
+    src_frames = draw(st.permutations(range(num_src)))[:n]
+    dst_frames = draw(st.permutations(range(num_dst)))[:n]
+    mode = draw(st.sampled_from(["both", "gather", "scatter"]))
+    seed = draw(st.integers(min_value=0, max_value=2**32 - 1))
+    return page_bytes, num_src, num_dst, src_frames, dst_frames, mode, seed
+
+
+@given(case=_copy_case())
+def test_copy_pages_native_matches_python(case):
+    page_bytes, num_src, num_dst, src_frames, dst_frames, mode, seed = case
+    n = len(src_frames)
+    rng = np.random.default_rng(seed)
+    src = rng.integers(0, 256, size=num_src * page_bytes, dtype=np.uint8)
+    if mode == "gather":  # arena -> dense batch
+        dst_frames, num_dst = None, max(n, 1)
+    elif mode == "scatter":  # dense batch -> arena
+        src_frames = None
+    dst_native = rng.integers(0, 256, size=num_dst * page_bytes, dtype=np.uint8)
+    dst_python = dst_native.copy()
+    before = dst_native.copy()
+    native.copy_pages(dst_native, dst_frames, src, src_frames, page_bytes)
+    native.py_copy_pages(dst_python, dst_frames, src, src_frames, page_bytes)
+    assert np.array_equal(dst_native, dst_python)
+    # and both mean exactly this: listed pages copied, every other byte untouched
+    want = before.reshape(-1, page_bytes).copy()
+    s2 = src.reshape(-1, page_bytes)
+    for i in range(n):
+        d = i if dst_frames is None else dst_frames[i]
+        s = i if src_frames is None else src_frames[i]
+        want[d] = s2[s]
+    assert np.array_equal(dst_native.reshape(-1, page_bytes), want)
+
+
+def test_copy_pages_unaligned_buffers_and_frame_dtypes():
+    page_bytes = 24
+    src_back = np.arange(5 * page_bytes + 3, dtype=np.uint64).astype(np.uint8)
+    dst_back = np.zeros(4 * page_bytes + 5, dtype=np.uint8)
+    src = src_back[3:]
+    dst = dst_back[5:]
+    native.copy_pages(dst, [3, 0], src, np.array([1, 4], dtype=np.int32), page_bytes)
+    assert np.array_equal(dst[3 * page_bytes : 4 * page_bytes], src[page_bytes : 2 * page_bytes])
+    assert np.array_equal(dst[:page_bytes], src[4 * page_bytes :])
+    assert not dst_back[:5].any() and not dst[page_bytes : 3 * page_bytes].any()
+
+
+def test_copy_pages_torch_tensors():
+    torch = pytest.importorskip("torch")
+    page_bytes = 16
+    src = torch.arange(4 * page_bytes, dtype=torch.uint8)
+    dst = torch.zeros(3 * page_bytes, dtype=torch.uint8)
+    native.copy_pages(dst.numpy(), [2, 0], src.numpy(), [0, 3], page_bytes)
+    assert torch.equal(dst[2 * page_bytes :], src[:page_bytes])
+    assert torch.equal(dst[:page_bytes], src[3 * page_bytes :])
+    assert not dst[page_bytes : 2 * page_bytes].any()
+
+
+@pytest.mark.parametrize("fn", [native.copy_pages, native.py_copy_pages], ids=["native", "python"])
+def test_copy_pages_rejects_out_of_bounds_frames(fn):
+    # the native memcpy has no bounds of its own: these must fail before it runs
+    page_bytes = 8
+    src = np.arange(3 * page_bytes, dtype=np.uint8)
+    dst = np.zeros(2 * page_bytes, dtype=np.uint8)
+    cases = [
+        ([2], [0], "dst frames outside the 2 pages"),
+        ([-1], [0], "dst frames outside"),
+        ([0], [3], "src frames outside the 3 pages"),
+        (None, [0, 1, 2], "dst frames outside the 2 pages"),  # dense dst too short
+        ([0, 1], None, None),  # fine: dense src of 2 pages
+        ([0, 1], [0], "2 dst frames but 1 src frames"),
+        (None, None, "dst_frames or src_frames"),
+    ]
+    for dst_frames, src_frames, msg in cases:
+        if msg is None:
+            fn(dst, dst_frames, src, src_frames, page_bytes)
+            continue
+        with pytest.raises(InvalidInput, match=msg):
+            fn(dst, dst_frames, src, src_frames, page_bytes)
+    assert np.array_equal(dst, src[: 2 * page_bytes])  # only the valid case wrote
+    with pytest.raises(InvalidInput, match="page_bytes"):
+        fn(dst, [0], src, [0], 0)
+    frozen = np.zeros(page_bytes, dtype=np.uint8)
+    frozen.flags.writeable = False
+    with pytest.raises(InvalidInput, match="read-only"):
+        fn(frozen, [0], src, [0], page_bytes)
+    assert not frozen.any()
