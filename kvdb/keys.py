@@ -17,7 +17,7 @@ Chain
     prompts are attacker input) or xxh3-128 (opt-in, trusted single-tenant deployments).
 
 Tenants
-    salt = HMAC-SHA256(key_secret, "tenant" || name)[:16]; each tenant gets its own chains, so a
+    salt = HMAC-SHA256(key_secret, "tenant" || 0x00 || name)[:16]; each tenant gets its own chains, so a
     lookup by one tenant can never hit (or time) another tenant's blocks. A prompt may declare
     its first ``public_prefix_tokens`` public (a published system prompt or tool schema): those
     blocks chain in the public namespace (no salt) and are shared by all tenants; the chain
@@ -118,6 +118,8 @@ def as_token_array(token_ids) -> np.ndarray:
         if t.is_floating_point() or t.is_complex():
             raise InvalidInput(f"token_ids must be integers, got {t.dtype}")
         arr = t.cpu().numpy()
+        if arr.dtype.kind not in "iu":  # torch.bool
+            raise InvalidInput(f"token_ids must be integers, got {t.dtype}")
     else:
         arr = np.asarray(token_ids)
         if arr.ndim == 2 and arr.shape[0] == 1:
@@ -189,8 +191,8 @@ class KeySpace:
         self._tenant_ns: dict[str, bytes] = {}
 
     def namespace(self, tenant: str = DEFAULT_TENANT) -> bytes:
-        ns = self._tenant_ns.get(tenant)
-        if ns is None:
+        ns = self._tenant_ns.get(tenant) if isinstance(tenant, str) else None
+        if ns is None:  # tenant_salt rejects a non-str or empty tenant
             ns = namespace_digest(**self._ns_args, tenant_salt=tenant_salt(self._secret, tenant))
             self._tenant_ns[tenant] = ns
         return ns
@@ -251,8 +253,13 @@ def normalize_keys(keys) -> list[BlockKey]:
     out: Sequence = keys if isinstance(keys, list) else list(keys)
     for k in out:
         if type(k) is not bytes or len(k) != KEY_BYTES:
-            if isinstance(k, (bytearray, memoryview)) and len(k) == KEY_BYTES:
-                out = [bytes(x) for x in out]
-                break
+            break
+    else:
+        return out  # type: ignore[return-value]
+    # slow path: convert bytearray / memoryview keys, checking every one (not just the first)
+    fixed = []
+    for k in out:
+        if not isinstance(k, (bytes, bytearray, memoryview)) or memoryview(k).nbytes != KEY_BYTES:
             raise InvalidInput(f"each key must be {KEY_BYTES} bytes, got {k!r:.60}")
-    return out  # type: ignore[return-value]
+        fixed.append(BlockKey(bytes(k)))
+    return fixed
