@@ -1,0 +1,298 @@
+"""The buffer pool: page table, page frames in a device and a host tier, pins, replacers.
+
+Tiers are ordered fastest first: ``device`` (optional; CUDA when asked for and present, the
+CPU otherwise) then ``host`` (DRAM, pinned under CUDA). Below the host tier the pool knows
+only a *spill* callback: the Db writes spilled pages to the cold tier (kvdb/cold/) or drops
+them. Everything here runs under the Db's lock; the pool itself holds no lock.
+
+Page table: one dict ``key -> code`` with ``code = frame << 1 | tier`` for every page resident
+in memory. Per-frame state lives in flat arrays (array/bytearray), not in an object per page, so
+a million resident pages cost ~150 bytes each of metadata (``kvdb bench datapath`` measures it).
+
+Invariants (tests cite them):
+  P1  a key is resident in at most one tier; table[key] names a frame whose keys[] is key.
+  P2  a frame is exactly one of: free (on the free list), resident-unpinned (known to the
+      replacer, evictable), resident-pinned (known, not evictable).
+  P3  a pinned frame is never evicted, demoted or overwritten; pins nest (a count).
+  P4  resident pages of a tier never exceed its frame count (capacity accounting is exact).
+  P5  a page leaves memory only through the spill callback (eviction from the last tier) or
+      through delete; eviction from the device tier demotes to the host tier when it can.
+
+Eviction order within a tier is the replacer's (kvdb/buffer_pool/replacer.py), fed with every
+request's frames in chain order.
+"""
+
+from __future__ import annotations
+
+from array import array
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+from kvdb.buffer_pool.arena import Arena
+from kvdb.buffer_pool.layout import BlockLayout
+from kvdb.buffer_pool.replacer import AccessContext, Replacer
+from kvdb.errors import InvalidInput
+
+DEVICE, HOST = 0, 1
+TIER_NAMES = ("device", "host")
+
+SpillFn = Callable[[list, torch.Tensor, list, list], None]
+"""spill(keys, pages uint8 [n, page_bytes], positions, dirty) for pages leaving memory."""
+
+
+@dataclass
+class TierStats:
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+    demotions: int = 0
+    promotions: int = 0
+    inserts: int = 0
+
+
+@dataclass
+class Tier:
+    index: int
+    arena: Arena
+    replacer: Replacer
+    free: list = field(default_factory=list)  # free frames, descending: pop() gives the lowest
+    stats: TierStats = field(default_factory=TierStats)
+
+    def __post_init__(self) -> None:
+        n = self.arena.num_frames
+        self.free = list(range(n - 1, -1, -1))
+        self.keys: list = [None] * n  # frame -> key (the same bytes object as the table's)
+        self.pins = array("i", [0]) * n  # frame -> pin count
+        self.positions = array("i", [-1]) * n  # frame -> block depth in its chain (-1 unknown)
+        self.dirty = bytearray(n)  # frame -> 1 when the page is not yet in the cold tier
+
+    @property
+    def name(self) -> str:
+        return TIER_NAMES[self.index]
+
+    @property
+    def num_frames(self) -> int:
+        return self.arena.num_frames
+
+    @property
+    def num_resident(self) -> int:
+        return self.num_frames - len(self.free)
+
+
+class BufferPool:
+    def __init__(
+        self,
+        layout: BlockLayout,
+        *,
+        host_frames: int,
+        device_frames: int,
+        device: torch.device | None,
+        make_replacer: Callable[[int], Replacer],
+        spill: SpillFn,
+    ) -> None:
+        self.layout = layout
+        self.page_bytes = layout.page_bytes
+        self.tiers: list[Tier | None] = [None, None]
+        if device_frames > 0:
+            dev = device or torch.device("cpu")
+            self.tiers[DEVICE] = Tier(DEVICE, Arena("device", device_frames, self.page_bytes, dev), make_replacer(device_frames))
+        self.tiers[HOST] = Tier(HOST, Arena("host", host_frames, self.page_bytes, torch.device("cpu")), make_replacer(host_frames))
+        self.table: dict[bytes, int] = {}
+        self._spill = spill
+
+    # ------------------------------------------------------------ lookup
+
+    def tier_of(self, key: bytes) -> int | None:
+        code = self.table.get(key)
+        return None if code is None else code & 1
+
+    def locate(self, key: bytes) -> tuple[Tier, int] | None:
+        code = self.table.get(key)
+        if code is None:
+            return None
+        return self.tiers[code & 1], code >> 1  # type: ignore[return-value]
+
+    def top_tier(self) -> Tier:
+        return self.tiers[DEVICE] or self.tiers[HOST]  # type: ignore[return-value]
+
+    # ------------------------------------------------------------ frames
+
+    def _reserve(self, tier: Tier, k: int, protect: set[int] | None = None) -> list[int]:
+        """Up to k free frames of ``tier`` (ascending), evicting victims when needed."""
+        take = min(k, len(tier.free))
+        frames = [tier.free.pop() for _ in range(take)]
+        victims: list[int] = []
+        while len(frames) + len(victims) < k:
+            v = tier.replacer.evict()
+            if v is None:
+                break
+            victims.append(v)
+        if victims:
+            self._evict(tier, victims)
+            frames.extend(victims)
+        return frames
+
+    def _release(self, tier: Tier, frames: Sequence[int]) -> None:
+        for f in frames:
+            key = tier.keys[f]
+            if key is not None and self.table.get(key) == (f << 1 | tier.index):
+                del self.table[key]
+            tier.keys[f] = None
+            tier.positions[f] = -1
+            tier.dirty[f] = 0
+
+    def _evict(self, tier: Tier, victims: list[int]) -> None:
+        """Victims leave ``tier``: demoted to the host tier when possible, else spilled (P5)."""
+        tier.stats.evictions += len(victims)
+        moved = 0
+        if tier.index == DEVICE:
+            host: Tier = self.tiers[HOST]  # type: ignore[assignment]
+            dest = self._reserve(host, len(victims))
+            moved = len(dest)
+            if moved:
+                tier.arena.copy_to(victims[:moved], host.arena, dest)
+                for f, d in zip(victims[:moved], dest):
+                    key = tier.keys[f]
+                    host.keys[d] = key
+                    host.positions[d] = tier.positions[f]
+                    host.dirty[d] = tier.dirty[f]
+                    self.table[key] = d << 1 | HOST
+                    tier.keys[f] = None
+                host.replacer.record_access(dest, [host.keys[d] for d in dest])
+                tier.stats.demotions += moved
+        rest = victims[moved:]
+        if rest:
+            keys = [tier.keys[f] for f in rest]
+            idx = torch.as_tensor(rest, dtype=torch.long, device=tier.arena.device)
+            pages = tier.arena.data.index_select(0, idx).cpu()
+            self._spill(keys, pages, [tier.positions[f] for f in rest], [tier.dirty[f] for f in rest])
+            self._release(tier, rest)
+
+    # ------------------------------------------------------------ insert
+
+    def insert(
+        self,
+        keys: list[bytes],
+        pages: torch.Tensor,
+        positions: Sequence[int],
+        dirty: bool,
+        ctx: AccessContext | None = None,
+        start_tier: int | None = None,
+    ) -> None:
+        """Place new pages (keys not resident) fastest tier first; overflow goes down, then spills.
+
+        pages: uint8 [n, page_bytes] on any device.
+        """
+        tier_idx = self.top_tier().index if start_tier is None else start_tier
+        done = 0
+        n = len(keys)
+        while done < n and tier_idx <= HOST:
+            tier = self.tiers[tier_idx]
+            if tier is None:
+                tier_idx += 1
+                continue
+            frames = self._reserve(tier, n - done)
+            if frames:
+                k = len(frames)
+                tier.arena.write(frames, pages[done : done + k])
+                for j, f in enumerate(frames):
+                    key = keys[done + j]
+                    tier.keys[f] = key
+                    tier.positions[f] = positions[done + j]
+                    tier.dirty[f] = dirty
+                    self.table[key] = f << 1 | tier.index
+                tier.replacer.record_access(frames, keys[done : done + k], ctx)
+                tier.stats.inserts += k
+                done += k
+            tier_idx += 1
+        if done < n:  # every frame is pinned: the rest bypasses memory (an outcome, not an error)
+            self._spill(keys[done:], pages[done:].cpu(), list(positions[done:]), [dirty] * (n - done))
+
+    def promote(self, keys: list[bytes], ctx: AccessContext | None = None) -> int:
+        """Move host-resident keys into the device tier (prefetch). Returns pages moved."""
+        dev = self.tiers[DEVICE]
+        host: Tier = self.tiers[HOST]  # type: ignore[assignment]
+        if dev is None:
+            return 0
+        src = [self.table[k] >> 1 for k in keys if self.table.get(k, 0) & 1 == HOST and k in self.table]
+        src = [f for f in src if host.pins[f] == 0]
+        if not src:
+            return 0
+        for f in src:  # keep them from being chosen as victims while we make room
+            host.replacer.set_evictable(f, False)
+        dest = self._reserve(dev, len(src))
+        for f in src:
+            host.replacer.set_evictable(f, True)
+        src = src[: len(dest)]
+        if not src:
+            return 0
+        host.arena.copy_to(src, dev.arena, dest)
+        for f, d in zip(src, dest):
+            key = host.keys[f]
+            dev.keys[d] = key
+            dev.positions[d] = host.positions[f]
+            dev.dirty[d] = host.dirty[f]
+            self.table[key] = d << 1 | DEVICE
+            host.replacer.remove(f)
+            host.keys[f] = None
+            host.positions[f] = -1
+            host.dirty[f] = 0
+            host.free.append(f)
+        dev.replacer.record_access(dest, [dev.keys[d] for d in dest], ctx)
+        dev.stats.promotions += len(dest)
+        return len(dest)
+
+    # ------------------------------------------------------------ access, pins, delete
+
+    def touch(self, keys: Sequence[bytes], ctx: AccessContext | None = None) -> None:
+        """Report one request's resident keys (chain order) to each tier's replacer."""
+        per_tier: list[tuple[list, list]] = [([], []), ([], [])]
+        for k in keys:
+            code = self.table.get(k)
+            if code is not None:
+                fr, ks = per_tier[code & 1]
+                fr.append(code >> 1)
+                ks.append(k)
+        for t, (fr, ks) in zip(self.tiers, per_tier):
+            if fr and t is not None:
+                t.replacer.record_access(fr, ks, ctx)
+
+    def pin(self, key: bytes) -> tuple[Tier, int]:
+        loc = self.locate(key)
+        if loc is None:
+            raise InvalidInput("pin of a key that is not resident")
+        tier, f = loc
+        if tier.pins[f] == 0:
+            tier.replacer.set_evictable(f, False)
+        tier.pins[f] += 1
+        return tier, f
+
+    def unpin(self, tier: Tier, frame: int) -> None:
+        if tier.pins[frame] <= 0:
+            raise InvalidInput(f"unpin of unpinned frame {frame} in the {tier.name} tier")
+        tier.pins[frame] -= 1
+        if tier.pins[frame] == 0:
+            tier.replacer.set_evictable(frame, True)
+
+    def delete(self, key: bytes) -> bool:
+        loc = self.locate(key)
+        if loc is None:
+            return False
+        tier, f = loc
+        if tier.pins[f]:
+            raise InvalidInput(f"cannot delete key {key.hex()}: it is pinned")
+        tier.replacer.remove(f)
+        self._release(tier, [f])
+        tier.free.append(f)
+        return True
+
+    def resident_items(self):
+        """(key, tier, frame) for every resident page, fastest tier first (used by flush)."""
+        for t in self.tiers:
+            if t is None:
+                continue
+            for f, key in enumerate(t.keys):
+                if key is not None:
+                    yield key, t, f

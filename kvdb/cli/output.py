@@ -1,0 +1,52 @@
+"""Shared output options of every reporting command: ``--json`` to stdout, rich tables otherwise,
+progress bars only on a terminal and never with ``--json``."""
+
+from __future__ import annotations
+
+import json
+import sys
+from contextlib import contextmanager
+
+import click
+
+json_option = click.option("--json", "as_json", is_flag=True, help="print machine-readable JSON to stdout")
+
+
+def _console():
+    from rich.console import Console
+
+    return Console()
+
+
+def emit(data, as_json: bool, render=None) -> None:
+    """Print ``data``: JSON when asked, else ``render(data, console)`` or a key/value table."""
+    if as_json:
+        click.echo(json.dumps(data, indent=2, sort_keys=False, default=str))
+        return
+    console = _console()
+    if render is not None:
+        render(data, console)
+        return
+    from rich.table import Table
+
+    rows = data if isinstance(data, list) else [data]
+    for row in rows:
+        t = Table("field", "value")
+        for k, v in row.items():
+            t.add_row(str(k), json.dumps(v, default=str) if isinstance(v, (dict, list)) else str(v))
+        console.print(t)
+
+
+@contextmanager
+def progress(total: int | None, description: str, enabled: bool = True):
+    """A rich progress bar on a terminal; a no-op advance function otherwise."""
+    if not enabled or not sys.stderr.isatty():
+        yield lambda n=1: None
+        return
+    from rich.progress import Progress
+
+    from rich.console import Console
+
+    with Progress(console=Console(stderr=True), transient=True) as p:
+        task = p.add_task(description, total=total)
+        yield lambda n=1: p.advance(task, n)

@@ -1,0 +1,647 @@
+"""Db: the embedded database. Open / recover / close; executes every call against pool, log and index.
+
+    db = kvdb.open(path, layout=layout, model_id="llama-3-8b", host_bytes=4 << 30)
+    keys = db.block_keys(token_ids, tenant="acme")
+    db.put_blocks(keys, blocks)
+    n = db.match_prefix(keys)
+    db.get_blocks(keys[:n], out=out)
+    with db.pin(keys[:n]) as pages: ...
+    db.close()
+
+Data directory
+    PATH/LOCK           flock held while a Db has PATH open (any process, any thread)
+    PATH/MANIFEST.json  layout, model id, key parameters (kvdb/format/manifest.py)
+    PATH/KEY_SECRET     32 random bytes, mode 0600: salts tenant namespaces (kvdb/keys.py)
+    PATH/wal/, PATH/index/  the cold tier (kvdb/cold/), when the disk tier is enabled
+
+Concurrency
+    One lock (``_lock``) guards the pool (page table, frames, replacers, stats). Durable writes
+    to the cold tier run *outside* it, so writers on many threads share group commits.
+
+States
+        open ──(I/O error in flush / checkpoint / cold tier)──> failed ──close()──> closed
+          └───────────────────────────close()─────────────────────────────────────────┘
+    In ``failed`` every call raises DbFailedError; nothing acknowledged is lost (the cold tier
+    never acknowledges a write it has not made durable). ``closed`` rejects every call.
+
+Lookups and stats
+    ``match_prefix`` is the lookup: each key it examines counts a miss on every tier it is not
+    in, up to and including the tier where it is found (a hit there); a key found nowhere counts
+    a miss on every tier and ends the prefix. ``get_blocks`` and ``pin`` count reads, not hits.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import hmac
+import os
+import secrets
+import threading
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+
+from kvdb.buffer_pool.arena import cuda_available
+from kvdb.buffer_pool.layout import BlockLayout
+from kvdb.buffer_pool.pool import DEVICE, HOST, TIER_NAMES, BufferPool, Tier
+from kvdb.buffer_pool.replacer import AccessContext, Replacer, make_replacer
+from kvdb.errors import (
+    CapacityError,
+    DbFailedError,
+    DbLockedError,
+    InvalidInput,
+    KvdbError,
+    NotFound,
+    StorageIOError,
+)
+from kvdb.format.manifest import read_manifest, write_manifest
+from kvdb.keys import DEFAULT_TENANT, KeySpace, normalize_keys
+from kvdb.types import BlockKey
+
+DURABILITIES = ("none", "group", "sync")
+KEY_SECRET_NAME = "KEY_SECRET"
+LOCK_NAME = "LOCK"
+
+
+def _key_secret_id(secret: bytes) -> str:
+    return hmac.new(secret, b"kvdb key secret id", hashlib.sha256).hexdigest()[:32]
+
+
+def _describe_keys(keys: Sequence[bytes], limit: int = 4) -> str:
+    shown = ", ".join(k.hex() for k in keys[:limit])
+    more = f" and {len(keys) - limit} more" if len(keys) > limit else ""
+    return shown + more
+
+
+class PinnedPages:
+    """Zero-copy views of pinned pages; the pages stay resident until ``release`` / exit.
+
+    ``pages[i]`` is a tensor of ``layout.block_shape`` and ``layout.dtype`` aliasing the arena
+    frame (on the device tier's device, or host memory); ``tiers[i]`` names the tier. Writing
+    through a view changes the stored block: treat views as read-only.
+    """
+
+    def __init__(self, db: "Db", handles: list[tuple[Tier, int]], pages: list[torch.Tensor]) -> None:
+        self._db = db
+        self._handles = handles
+        self.pages = pages
+        self.tiers = [TIER_NAMES[t.index] for t, _ in handles]
+        self._released = False
+
+    def __len__(self) -> int:
+        return len(self.pages)
+
+    def __getitem__(self, i):
+        return self.pages[i]
+
+    def __iter__(self):
+        return iter(self.pages)
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self._db._unpin(self._handles)
+
+    def __enter__(self) -> "PinnedPages":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+class Db:
+    """An open kvdb data directory. Build one with :func:`kvdb.open`."""
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        *,
+        layout: BlockLayout | None = None,
+        model_id: str | None = None,
+        host_bytes: int = 1 << 30,
+        device_bytes: int = 0,
+        device: str | torch.device | None = None,
+        replacer: str | Callable[[int], Replacer] = "lru",
+        key_secret: bytes | None = None,
+        key_algo: str = "sha256",
+        model_revision: str | None = None,
+        tp_rank: int | None = None,
+        tp_size: int | None = None,
+        pp_rank: int | None = None,
+        pp_size: int | None = None,
+        durability: str = "none",
+        disk_bytes: int | None = None,
+        codec: str = "raw",
+        encryption_key_file: str | os.PathLike | None = None,
+    ) -> None:
+        self.path = Path(path)
+        self._state = "opening"
+        self._failure: BaseException | None = None
+        self._lock = threading.RLock()
+        if durability not in DURABILITIES:
+            raise InvalidInput(f"durability must be one of {DURABILITIES}, got {durability!r}")
+        for name, v in (("host_bytes", host_bytes), ("device_bytes", device_bytes)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise InvalidInput(f"{name} must be an int >= 0, got {v!r}")
+        self.path.mkdir(parents=True, exist_ok=True)
+        self._lock_fd = self._take_lock()
+        try:
+            self._open(
+                layout, model_id, host_bytes, device_bytes, device, replacer, key_secret, key_algo,
+                dict(model_revision=model_revision, tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size),
+                durability, disk_bytes, codec, encryption_key_file,
+            )
+        except BaseException:
+            self._drop_lock()
+            raise
+        self._state = "open"
+
+    # ------------------------------------------------------------------ open / close
+
+    def _take_lock(self) -> int:
+        fd = os.open(self.path / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise DbLockedError(
+                f"{self.path} is already open (another process or another Db in this one); "
+                "close it first or use a different path"
+            ) from None
+        return fd
+
+    def _drop_lock(self) -> None:
+        if self._lock_fd is not None:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    def _load_secret(self, key_secret: bytes | None) -> bytes:
+        p = self.path / KEY_SECRET_NAME
+        if key_secret is not None:
+            if not isinstance(key_secret, (bytes, bytearray)) or len(key_secret) < 16:
+                raise InvalidInput("key_secret must be at least 16 bytes")
+            return bytes(key_secret)
+        try:
+            return p.read_bytes()
+        except FileNotFoundError:
+            secret = secrets.token_bytes(32)
+            fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                os.write(fd, secret)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            return secret
+
+    def _open(self, layout, model_id, host_bytes, device_bytes, device, replacer, key_secret, key_algo,
+              ns_extra, durability, disk_bytes, codec, encryption_key_file) -> None:
+        manifest = read_manifest(self.path)
+        secret = self._load_secret(key_secret)
+        if manifest is None:
+            if layout is None or model_id is None:
+                raise InvalidInput(f"{self.path} is a new data directory: pass layout= and model_id=")
+            if not isinstance(layout, BlockLayout):
+                raise InvalidInput(f"layout must be a kvdb.BlockLayout, got {type(layout).__name__}")
+            fields = dict(model_id=model_id, layout=layout.to_dict(), key_algo=key_algo,
+                          key_secret_id=_key_secret_id(secret), **ns_extra)
+            KeySpace(model_id=model_id, layout=layout, key_secret=secret, algo=key_algo, **ns_extra)  # validates
+            write_manifest(self.path, fields)
+        else:
+            stored = BlockLayout.from_dict(manifest["layout"])
+            if layout is not None and layout != stored:
+                raise InvalidInput(f"{self.path} holds layout {stored}, not {layout}; open it with its own layout")
+            if model_id is not None and model_id != manifest["model_id"]:
+                raise InvalidInput(f"{self.path} holds model {manifest['model_id']!r}, not {model_id!r}")
+            if manifest.get("key_secret_id") != _key_secret_id(secret):
+                raise InvalidInput(f"{self.path} was written with a different key secret; pass the same key_secret")
+            for k, v in ns_extra.items():
+                if v is not None and v != manifest.get(k):
+                    raise InvalidInput(f"{self.path} holds {k}={manifest.get(k)!r}, not {v!r}")
+            layout, model_id, key_algo = stored, manifest["model_id"], manifest.get("key_algo", "sha256")
+            ns_extra = {k: manifest.get(k) for k in ns_extra}
+        self.layout: BlockLayout = layout
+        self.model_id: str = model_id
+        self.keyspace = KeySpace(model_id=model_id, layout=layout, key_secret=secret, algo=key_algo, **ns_extra)
+        self.default_durability = durability
+
+        page = layout.page_bytes
+        host_frames = host_bytes // page
+        device_frames = device_bytes // page
+        if host_frames < 1:
+            raise CapacityError(f"host_bytes={host_bytes} holds no page of {page} bytes; give at least {page}")
+        if device_bytes and device_frames < 1:
+            raise CapacityError(f"device_bytes={device_bytes} holds no page of {page} bytes; give 0 or at least {page}")
+        dev = self._pick_device(device) if device_frames else None
+        if callable(replacer):
+            factory = replacer
+        else:
+            name = replacer
+            make_replacer(name, 1)  # validates the name now
+            factory = lambda n: make_replacer(name, n)  # noqa: E731
+        self.pool = BufferPool(layout, host_frames=host_frames, device_frames=device_frames, device=dev,
+                               make_replacer=factory, spill=self._spill)
+        self._lookup_misses = 0
+        self._reads = [0, 0, 0]  # device, host, disk
+        self._disk_hits = 0
+        self._cold = None
+        if disk_bytes != 0:
+            self._cold = self._open_cold(disk_bytes, codec, encryption_key_file)
+        elif encryption_key_file is not None:
+            raise InvalidInput("encryption_key_file needs the disk tier (disk_bytes != 0)")
+
+    def _open_cold(self, disk_bytes, codec, encryption_key_file):
+        try:
+            from kvdb.cold.store import ColdStore  # the disk tier (kvdb/cold/)
+        except ImportError:
+            if disk_bytes is None and encryption_key_file is None:
+                return None  # this build has no disk tier yet: memory only
+            raise InvalidInput("this kvdb build has no disk tier; open with disk_bytes=0") from None
+        return ColdStore.open(self.path, self.layout, disk_bytes=disk_bytes, encryption_key_file=encryption_key_file,
+                              codec=codec, default_durability="group")
+
+    @staticmethod
+    def _pick_device(device) -> torch.device:
+        if device is None:
+            return torch.device("cuda") if cuda_available() else torch.device("cpu")
+        dev = torch.device(device)
+        if dev.type == "cuda" and not cuda_available():
+            raise InvalidInput("device='cuda' asked for but CUDA is not available; use device='cpu' or None")
+        if dev.type not in ("cuda", "cpu"):
+            raise InvalidInput(f"unsupported device {dev}; use 'cuda' or 'cpu'")
+        return dev
+
+    def close(self) -> None:
+        """Write back dirty pages (when the disk tier is on), close the cold tier, drop the lock."""
+        with self._lock:
+            if self._state == "closed":
+                return
+            try:
+                if self._state == "open" and self._cold is not None:
+                    self._write_back_all()
+            finally:
+                try:
+                    if self._cold is not None:
+                        self._cold.close()
+                finally:
+                    self._state = "closed"
+                    self._drop_lock()
+
+    def __enter__(self) -> "Db":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:  # a forgotten Db must not keep the directory locked
+        if getattr(self, "_state", "closed") != "closed" and getattr(self, "_lock_fd", None) is not None:
+            try:
+                self._drop_lock()
+            except OSError:
+                pass
+
+    def _check(self) -> None:
+        if self._state == "open":
+            return
+        if self._state == "failed":
+            raise DbFailedError(f"{self.path} is in the failed state after an I/O error ({self._failure}); "
+                                "close it and open it again") from self._failure
+        raise KvdbError(f"{self.path} is closed")
+
+    def _fail(self, err: BaseException) -> None:
+        self._state = "failed"
+        self._failure = err
+
+    def _cold_call(self, fn, *args, **kw):
+        try:
+            return fn(*args, **kw)
+        except StorageIOError as e:
+            with self._lock:
+                self._fail(e)
+            raise
+
+    # ------------------------------------------------------------------ keys
+
+    def block_keys(self, token_ids, tenant: str = DEFAULT_TENANT, public_prefix_tokens: int = 0) -> list[BlockKey]:
+        """One key per full block of ``token_ids`` in the tenant's namespace (kvdb/keys.py)."""
+        return self.keyspace.block_keys(token_ids, tenant, public_prefix_tokens)
+
+    def engine_keys(self, hashes, tenant: str = DEFAULT_TENANT) -> list[BlockKey]:
+        """Keys for an engine's own block hashes (vLLM, SGLang), salted per tenant."""
+        return self.keyspace.engine_keys(hashes, tenant)
+
+    # ------------------------------------------------------------------ validation
+
+    def _as_pages(self, blocks, n: int, what: str, allow_larger: bool = False) -> torch.Tensor:
+        """A [n, page_bytes] uint8 view of a block tensor, after checking everything about it."""
+        if not isinstance(blocks, torch.Tensor):
+            raise InvalidInput(f"{what} must be a torch.Tensor, got {type(blocks).__name__}")
+        lay = self.layout
+        if blocks.dtype != lay.dtype:
+            raise InvalidInput(f"{what} has dtype {blocks.dtype}; this Db stores {lay.dtype}")
+        shape = tuple(blocks.shape)
+        if len(shape) != 6 or shape[1:] != lay.block_shape or (shape[0] < n if allow_larger else shape[0] != n):
+            want = f"[{'>=' if allow_larger else ''}{n}, {', '.join(map(str, lay.block_shape))}]"
+            raise InvalidInput(f"{what} has shape {list(shape)}; expected {want} "
+                               "(blocks, layers, k/v, block_tokens, kv_heads, head_dim)")
+        if not blocks.is_contiguous():
+            raise InvalidInput(f"{what} is not contiguous; pass .contiguous()")
+        dev = blocks.device.type
+        arena_devs = {"cpu"} | {t.arena.device.type for t in self.pool.tiers if t is not None}
+        if dev not in arena_devs:
+            raise InvalidInput(f"{what} is on {blocks.device}; this Db's arenas are on {sorted(arena_devs)}")
+        return blocks.view(torch.uint8).reshape(shape[0], lay.page_bytes)
+
+    def _check_positions(self, positions, n: int) -> list[int]:
+        if positions is None:
+            return [-1] * n
+        pos = list(positions)
+        if len(pos) != n or any(not isinstance(p, (int, np.integer)) or isinstance(p, bool) or p < 0 for p in pos):
+            raise InvalidInput(f"positions must be {n} ints >= 0 (block depth of each key)")
+        return [int(p) for p in pos]
+
+    # ------------------------------------------------------------------ writes
+
+    def put_blocks(self, keys, blocks: torch.Tensor, *, positions: Sequence[int] | None = None,
+                   durability: str | None = None, tier: str | None = None) -> int:
+        """Store blocks under keys; keys already stored are skipped. Returns how many were new.
+
+        durability: "none" (ack at once; written back to disk on eviction / close), "group"
+        (ack after the batch's shared fsync), "sync" (own fsync); default: the Db's.
+        tier: None (fastest tier with room) or "disk" (write to the disk tier only).
+        """
+        self._check()
+        keys = normalize_keys(keys)
+        n = len(keys)
+        pages = self._as_pages(blocks, n, "blocks")
+        pos = self._check_positions(positions, n)
+        durability = durability or self.default_durability
+        if durability not in DURABILITIES:
+            raise InvalidInput(f"durability must be one of {DURABILITIES}, got {durability!r}")
+        if tier not in (None, "disk"):
+            raise InvalidInput(f"tier must be None or 'disk', got {tier!r}")
+        if (durability != "none" or tier == "disk") and self._cold is None:
+            raise InvalidInput(f"durability={durability!r} / tier={tier!r} needs the disk tier (open with disk_bytes != 0)")
+        with self._lock:
+            self._check()
+            seen: set[bytes] = set()
+            fresh: list[int] = []
+            for i, k in enumerate(keys):
+                if k not in seen and k not in self.pool.table:
+                    seen.add(k)
+                    fresh.append(i)
+        if self._cold is not None and fresh:
+            on_disk = self._cold_call(self._cold.contains, [keys[i] for i in fresh])
+            fresh = [i for i, d in zip(fresh, on_disk) if not d]
+        if not fresh:
+            return 0
+        fkeys = [keys[i] for i in fresh]
+        fpos = [pos[i] for i in fresh]
+        contiguous = fresh == list(range(fresh[0], fresh[0] + len(fresh)))
+        fpages = pages[fresh[0] : fresh[0] + len(fresh)] if contiguous else pages[torch.as_tensor(fresh, device=pages.device)]
+        written = False
+        if durability != "none" or tier == "disk":
+            host_pages = fpages.cpu().numpy() if fpages.device.type != "cpu" else fpages.numpy()
+            self._cold_call(self._cold.put, fkeys, np.ascontiguousarray(host_pages), fpos,
+                            durability if durability != "none" else "none")
+            written = True
+        if tier == "disk":
+            return len(fkeys)
+        with self._lock:
+            self._check()
+            keep = [j for j, k in enumerate(fkeys) if k not in self.pool.table]
+            if len(keep) != len(fkeys):
+                fkeys = [fkeys[j] for j in keep]
+                fpos = [fpos[j] for j in keep]
+                fpages = fpages[torch.as_tensor(keep, device=fpages.device)] if keep else fpages[:0]
+            if fkeys:
+                dirty = self._cold is not None and not written
+                self.pool.insert(fkeys, fpages, fpos, dirty=dirty, ctx=AccessContext(positions=fpos))
+        return len(fkeys)
+
+    def _spill(self, keys: list, pages: torch.Tensor, positions: list, dirty: list) -> None:
+        """Pages leaving memory (called by the pool under our lock): write back the dirty ones."""
+        if self._cold is None:  # a pure cache: the page is simply dropped
+            return
+        idx = [i for i, d in enumerate(dirty) if d]
+        if not idx:
+            return
+        arr = pages.numpy()
+        if len(idx) != len(keys):
+            arr = arr[idx]
+        try:
+            self._cold.put([keys[i] for i in idx], np.ascontiguousarray(arr), [positions[i] for i in idx], "none")
+        except StorageIOError as e:
+            self._fail(e)
+            raise
+
+    def _write_back_all(self) -> None:
+        items = [(k, t, f) for k, t, f in self.pool.resident_items() if t.dirty[f]]
+        if not items:
+            return
+        keys = [k for k, _, _ in items]
+        pages = torch.empty((len(items), self.layout.page_bytes), dtype=torch.uint8)
+        for t in self.pool.tiers:
+            if t is None:
+                continue
+            rows = [i for i, (_, tt, _) in enumerate(items) if tt is t]
+            if rows:
+                t.arena.read([items[i][2] for i in rows], pages, rows)
+        positions = [t.positions[f] for _, t, f in items]
+        self._cold_call(self._cold.put, keys, pages.numpy(), positions, "sync")
+        for _, t, f in items:
+            t.dirty[f] = 0
+
+    def flush(self) -> None:
+        """Make every block stored so far durable (write back dirty pages, fsync)."""
+        self._check()
+        if self._cold is None:
+            return
+        with self._lock:
+            self._write_back_all()
+        self._cold_call(self._cold.flush)
+
+    def delete(self, keys) -> int:
+        """Delete keys from every tier; returns how many were stored. Unknown keys are ignored."""
+        self._check()
+        keys = normalize_keys(keys)
+        with self._lock:
+            found = [self.pool.delete(k) for k in keys]
+        if self._cold is not None:
+            on_disk = self._cold_call(self._cold.contains, keys)
+            gone = [k for k, d in zip(keys, on_disk) if d]
+            if gone:
+                self._cold_call(self._cold.delete, gone)
+            found = [a or b for a, b in zip(found, on_disk)]
+        return sum(found)
+
+    # ------------------------------------------------------------------ reads
+
+    def match_prefix(self, keys, *, ctx: AccessContext | None = None) -> int:
+        """How many leading keys are stored in any tier (the lookup; counts hits and misses)."""
+        self._check()
+        keys = normalize_keys(keys)
+        with self._lock:
+            table = self.pool.table
+            codes = [table.get(k) for k in keys]
+            on_disk = [False] * len(keys)
+            if self._cold is not None:
+                idx = [i for i, c in enumerate(codes) if c is None]
+                if idx:
+                    for i, d in zip(idx, self._cold_call(self._cold.contains, [keys[i] for i in idx])):
+                        on_disk[i] = d
+            total, disk_hits, mem_hits = 0, 0, [0, 0]
+            for c, d in zip(codes, on_disk):
+                if c is not None:
+                    mem_hits[c & 1] += 1
+                elif d:
+                    disk_hits += 1
+                else:
+                    break
+                total += 1
+            self._count_lookup(mem_hits, disk_hits, total < len(keys))
+            self.pool.touch(keys[:total], ctx)
+        return total
+
+    def _count_lookup(self, mem_hits: list[int], disk_hits: int, missed: bool) -> None:
+        dev, host = self.pool.tiers
+        if dev is not None:
+            dev.stats.hits += mem_hits[DEVICE]
+            dev.stats.misses += mem_hits[HOST] + disk_hits + (1 if missed else 0)
+        host.stats.hits += mem_hits[HOST]
+        host.stats.misses += disk_hits + (1 if missed else 0)
+        self._disk_hits += disk_hits
+        if missed:
+            self._lookup_misses += 1
+
+    def contains(self, key) -> bool:
+        return self.match_prefix([key]) == 1 if key is not None else False
+
+    def _load_from_disk(self, keys: list[bytes]) -> tuple[list[bytes], list[bytes]]:
+        """Read keys from the disk tier into memory (promotion). Returns (loaded, missing)."""
+        if self._cold is None or not keys:
+            return [], list(keys)
+        buf = np.empty((len(keys), self.layout.page_bytes), dtype=np.uint8)
+        found = self._cold_call(self._cold.get_into, keys, buf)
+        ok = [i for i, f in enumerate(found) if f]
+        missing = [keys[i] for i, f in enumerate(found) if not f]
+        if ok:
+            loaded = [keys[i] for i in ok]
+            pages = torch.from_numpy(buf[ok] if len(ok) != len(keys) else buf)
+            self.pool.insert(loaded, pages, [-1] * len(loaded), dirty=False, start_tier=HOST)
+            self._reads[2] += len(loaded)
+            return loaded, missing
+        return [], missing
+
+    def get_blocks(self, keys, out: torch.Tensor) -> None:
+        """Copy the blocks of ``keys`` into ``out[:len(keys)]`` bit-exact; NotFound names absent keys.
+
+        ``out``: a preallocated tensor [>= len(keys), *layout.block_shape] of the layout dtype
+        on the CPU or the device tier's device. Nothing is written when a key is missing.
+        """
+        self._check()
+        keys = normalize_keys(keys)
+        n = len(keys)
+        dst = self._as_pages(out, n, "out", allow_larger=True)
+        with self._lock:
+            self._check()
+            table = self.pool.table
+            absent = [k for k in keys if k not in table]
+            if absent:
+                _, missing = self._load_from_disk(absent)
+                if missing:
+                    raise NotFound(f"{len(missing)} of {n} keys are not stored (or failed their checksum): "
+                                   f"{_describe_keys(missing)}")
+            per_tier: list[tuple[list, list]] = [([], []), ([], [])]
+            for i, k in enumerate(keys):
+                code = table[k]
+                fr, rows = per_tier[code & 1]
+                fr.append(code >> 1)
+                rows.append(i)
+            for t, (fr, rows) in zip(self.pool.tiers, per_tier):
+                if fr:
+                    t.arena.read(fr, dst, rows)
+                    self._reads[t.index] += len(fr)
+            self.pool.touch(keys)
+
+    def pin(self, keys) -> PinnedPages:
+        """Pin keys' pages in memory and return zero-copy views (a context manager)."""
+        self._check()
+        keys = normalize_keys(keys)
+        with self._lock:
+            self._check()
+            absent = [k for k in keys if k not in self.pool.table]
+            if absent:
+                _, missing = self._load_from_disk(absent)
+                if missing:
+                    raise NotFound(f"cannot pin {len(missing)} keys that are not stored: {_describe_keys(missing)}")
+            handles = []
+            try:
+                for k in keys:
+                    handles.append(self.pool.pin(k))
+            except BaseException:
+                for t, f in handles:
+                    self.pool.unpin(t, f)
+                raise
+            lay = self.layout
+            pages = [t.arena.page(f).view(lay.dtype).view(lay.block_shape) for t, f in handles]
+            self.pool.touch(keys)
+        return PinnedPages(self, handles, pages)
+
+    def _unpin(self, handles) -> None:
+        with self._lock:
+            for t, f in handles:
+                self.pool.unpin(t, f)
+
+    def prefetch(self, keys) -> int:
+        """Bring keys into the fastest tier ahead of use (disk -> host -> device). Returns pages moved up."""
+        self._check()
+        keys = normalize_keys(keys)
+        with self._lock:
+            absent = [k for k in keys if k not in self.pool.table]
+            loaded, _ = self._load_from_disk(absent)
+            moved = self.pool.promote([k for k in keys if k in self.pool.table])
+        return moved + len(loaded)
+
+    # ------------------------------------------------------------------ stats
+
+    def stats(self) -> dict:
+        """Per tier: pages, capacity, bytes, hits, misses, evictions (and more)."""
+        self._check()
+        with self._lock:
+            out: dict = {"model_id": self.model_id, "layout": self.layout.to_dict(),
+                         "page_bytes": self.layout.page_bytes, "tiers": {}}
+            for t in self.pool.tiers:
+                if t is None:
+                    continue
+                s = t.stats
+                out["tiers"][t.name] = {
+                    "pages": t.num_resident,
+                    "capacity_pages": t.num_frames,
+                    "bytes": t.num_resident * self.layout.page_bytes,
+                    "capacity_bytes": t.arena.capacity_bytes,
+                    "pinned_pages": sum(1 for p in t.pins if p),
+                    "hits": s.hits,
+                    "misses": s.misses,
+                    "reads": self._reads[t.index],
+                    "inserts": s.inserts,
+                    "evictions": s.evictions,
+                    "demotions": s.demotions,
+                    "promotions": s.promotions,
+                    "device": str(t.arena.device),
+                }
+            if self._cold is not None:
+                disk = dict(self._cold.stats())
+                disk.setdefault("hits", self._disk_hits)
+                disk["reads"] = self._reads[2]
+                out["tiers"]["disk"] = disk
+            out["lookup_misses"] = self._lookup_misses
+            return out
+
+
+def open(path: str | os.PathLike, **kwargs) -> Db:  # noqa: A001 - mirrors sqlite3.connect / rocksdb open
+    """Open (creating when new) the kvdb data directory at ``path``. See :class:`Db` for options."""
+    return Db(path, **kwargs)

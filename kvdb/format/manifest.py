@@ -1,0 +1,65 @@
+"""MANIFEST.json: what a data directory holds, written once at creation and checked at every open.
+
+A UTF-8 JSON object (one line, sorted keys), written to MANIFEST.json.tmp, fsynced, renamed over
+MANIFEST.json, directory fsynced, so it is always either the old or the new whole file:
+
+    {"format": "kvdb-manifest", "version": 1,
+     "model_id": "llama-3-8b", "model_revision": null,
+     "layout": {"num_layers": 32, "num_kv_heads": 8, "head_dim": 128, "block_tokens": 16,
+                "dtype": "bfloat16"},
+     "key_algo": "sha256", "key_secret_id": "3f2a...",          # HMAC of a constant, hex
+     "tp_rank": null, "tp_size": null, "pp_rank": null, "pp_size": null}
+
+``key_secret_id`` identifies the key secret without revealing it, so a Db opened with a
+different secret is refused instead of silently missing every block. Unknown fields are kept
+by readers (forward compatible); a different ``version`` is refused.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from kvdb.errors import CorruptionError, InvalidInput
+
+MANIFEST_NAME = "MANIFEST.json"
+FORMAT = "kvdb-manifest"
+VERSION = 1
+
+
+def read_manifest(dir_path: Path) -> dict | None:
+    """The manifest of a data directory, None when there is none yet."""
+    p = Path(dir_path) / MANIFEST_NAME
+    try:
+        raw = p.read_bytes()
+    except FileNotFoundError:
+        return None
+    try:
+        m = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CorruptionError(f"{p} is not valid JSON ({e}); restore it or remove the directory") from None
+    if not isinstance(m, dict) or m.get("format") != FORMAT:
+        raise CorruptionError(f"{p} is not a kvdb manifest")
+    if m.get("version") != VERSION:
+        raise InvalidInput(f"{p} has manifest version {m.get('version')}; this kvdb reads version {VERSION}")
+    return m
+
+
+def write_manifest(dir_path: Path, fields: dict) -> None:
+    d = Path(dir_path)
+    m = {"format": FORMAT, "version": VERSION, **fields}
+    data = json.dumps(m, sort_keys=True, separators=(",", ":")).encode("utf-8") + b"\n"
+    tmp = d / (MANIFEST_NAME + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, d / MANIFEST_NAME)
+    dfd = os.open(d, os.O_RDONLY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
