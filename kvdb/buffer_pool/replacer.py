@@ -63,7 +63,9 @@ class Replacer(ABC):
 
     @abstractmethod
     def remove(self, frame: int) -> None:
-        """Forget a frame the pool freed itself (delete); no-op for unknown frames."""
+        """Forget a frame the pool freed itself (delete); no-op for unknown frames.
+
+        Every method raises InvalidInput for a frame outside ``[0, num_frames)``."""
 
     @abstractmethod
     def num_evictable(self) -> int: ...
@@ -125,18 +127,21 @@ class LruReplacer(Replacer):
     def record_access(self, frames, ids=None, ctx=None) -> None:
         # deepest first, so the shallowest ends most recent (R3)
         state = self._state
+        n = self.num_frames
         for i in range(len(frames) - 1, -1, -1):
             f = frames[i]
+            if not 0 <= f < n:  # before indexing: state[-1] would be the last frame's
+                self._check(f)
             s = state[f]
             if s == self._LISTED:
                 self._unlink(f)
                 self._push_head(f)
             elif s == self._ABSENT:
-                self._check(f)
                 state[f] = self._LISTED
                 self._push_head(f)
 
     def set_evictable(self, frame: int, evictable: bool) -> None:
+        self._check(frame)
         s = self._state[frame]
         if evictable and s == self._PINNED:
             self._state[frame] = self._LISTED
@@ -145,7 +150,6 @@ class LruReplacer(Replacer):
             self._unlink(frame)
             self._state[frame] = self._PINNED
         elif not evictable and s == self._ABSENT:
-            self._check(frame)
             self._state[frame] = self._PINNED
 
     def evict(self) -> int | None:
@@ -157,6 +161,7 @@ class LruReplacer(Replacer):
         return f
 
     def remove(self, frame: int) -> None:
+        self._check(frame)
         if self._state[frame] == self._LISTED:
             self._unlink(frame)
         self._state[frame] = self._ABSENT
@@ -196,6 +201,8 @@ class ArcReplacer(Replacer):
 
     def record_access(self, frames, ids=None, ctx=None) -> None:
         c = self.num_frames
+        if ids is not None and len(ids) != len(frames):
+            raise InvalidInput(f"record_access got {len(frames)} frames but {len(ids)} ids")
         for i in range(len(frames) - 1, -1, -1):  # deepest first (R3)
             f = frames[i]
             bid = ids[i] if ids is not None else None
@@ -239,13 +246,14 @@ class ArcReplacer(Replacer):
         return None
 
     def set_evictable(self, frame: int, evictable: bool) -> None:
+        self._check(frame)
         if evictable:
             self._pinned.discard(frame)
         else:
-            self._check(frame)
             self._pinned.add(frame)
 
     def remove(self, frame: int) -> None:
+        self._check(frame)
         self._t1.pop(frame, None)
         self._t2.pop(frame, None)
         self._pinned.discard(frame)
