@@ -23,7 +23,7 @@ Invariants
         missing ends the prefix there (fewer cached tokens, never wrong KV).
     I3  RoPE is baked into stored keys, so a block is only valid at the position it was computed
         at. The prefix hash chain guarantees it: block i's key names tokens [0, (i+1)*bt), so it
-        can only ever be looked up as block i. The position is stored too, as a second check.
+        can only ever be looked up as block i. Its depth i is stored with it too (``positions``).
     I4  Save and restore move data in batches: one ``torch.stack`` over all layers and
         directions, then one permute-copy into a preallocated tensor. The only loop over layers
         is the one transformers' cache API forces (``DynamicCache.update`` takes one layer at a
@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import torch
 
 from kvdb.buffer_pool.layout import DTYPES_BY_NAME, BlockLayout
-from kvdb.errors import InvalidInput
+from kvdb.errors import InvalidInput, NotFound
 
 try:  # transformers is an optional extra: kvdb[transformers]
     from transformers import DynamicCache
@@ -203,30 +203,57 @@ class PrefixCache:
             self._buf = torch.empty((cap, *self.layout.block_shape), dtype=self.layout.dtype)
         return self._buf
 
+    def _read_prefix(self, keys: list, n: int) -> int:
+        """Read keys[:n] into the staging buffer; returns how many leading blocks are intact (I2).
+
+        ``Db.get_blocks`` is all-or-nothing: it raises NotFound when a block vanished between
+        match and read or failed its checksum on the way up from disk. Then the longest readable
+        prefix is found by bisection (log2(n) more reads, all but the failing block already in
+        memory after the first attempt): a rare path, so the common one stays one batched read.
+        """
+        if n == 0:
+            return 0
+        buf = self._buffer(n)
+        try:
+            self.db.get_blocks(keys[:n], out=buf)
+            return n
+        except NotFound:
+            pass
+        lo, hi = 0, n  # keys[:lo] readable, keys[:hi] not
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            try:
+                self.db.get_blocks(keys[:mid], out=buf)
+                lo = mid
+            except NotFound:
+                hi = mid
+        if lo:
+            self.db.get_blocks(keys[:lo], out=buf)  # do not trust what a failed read left behind
+        return lo
+
     def keys(self, input_ids) -> list:
         """The block keys of every full block of ``input_ids`` in this cache's tenant."""
         return self.db.block_keys(self._tokens(input_ids), tenant=self.tenant)
 
     # ---- the contract ----------------------------------------------------------------------
-    def lookup(self, input_ids):
+    def lookup(self, input_ids, *, ctx=None):
         """(cache, n_cached): a DynamicCache with the longest stored prefix and its token count.
 
         n_cached is a multiple of block_tokens and at most the last block boundary strictly
         before the final token (I1). Blocks the Db cannot hand back intact end the prefix (I2).
+        ``ctx`` (a kvdb.buffer_pool.replacer.AccessContext) goes to ``Db.match_prefix`` for the
+        replacer: session, hints, clock.
         """
         tokens = self._tokens(input_ids)
         bt = self.layout.block_tokens
         usable = (len(tokens) - 1) // bt if tokens else 0
         keys = self.db.block_keys(tokens[: usable * bt], tenant=self.tenant) if usable else []
-        n = self.db.match_prefix(keys) if keys else 0
-        blocks = self._buffer(n)[:n]
-        if n:
-            got = self.db.get_blocks(keys[:n], out=blocks)
-            good = n if got is None else int(got)
-            if good < n:
-                self.stats.refused_blocks += n - good
-                n = good
-                blocks = blocks[:n]
+        n = self.db.match_prefix(keys, ctx=ctx) if keys else 0
+        good = self._read_prefix(keys, n)
+        if good < n:
+            self.stats.refused_blocks += n - good
+            n = good
+        blocks = self._buf[:n]
         cache = cache_from_blocks(self.config, blocks, device=self._device)
         self.stats.lookups += 1
         self.stats.prompt_tokens += len(tokens)
@@ -258,7 +285,7 @@ class PrefixCache:
         if todo <= 0:
             return 0
         blocks = blocks_from_cache(past_key_values, have * bt, todo, bt, self._buffer(todo))
-        positions = [i * bt for i in range(have, num_full)]
+        positions = list(range(have, num_full))  # block depth in the chain (I3)
         self.db.put_blocks(keys[have:], blocks, positions=positions, **put_kwargs)
         self.stats.saved_blocks += todo
         return todo

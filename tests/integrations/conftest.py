@@ -1,0 +1,46 @@
+"""Shared fixtures: a real transformers Llama with random weights (no download).
+
+4 layers, hidden 256, 4 heads, 2 kv heads (GQA), head dim 64, fp32. ``initializer_range=0.1``
+because the default 0.02 gives near-uniform attention, under which a wrong restore barely moves
+the logits (DESIGN.md "transformers 5.x").
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 1000
+
+
+def tiny_llama_config(**overrides):
+    kw = dict(
+        vocab_size=VOCAB,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        initializer_range=0.1,
+        max_position_embeddings=4096,
+    )
+    kw.update(overrides)
+    return transformers.LlamaConfig(**kw)
+
+
+@pytest.fixture(scope="session")
+def llama():
+    warnings.filterwarnings("ignore", message=".*past_key_values.*deprecated.*")
+    torch.manual_seed(1234)
+    model = transformers.LlamaForCausalLM(tiny_llama_config()).eval()
+    return model
+
+
+@pytest.fixture
+def prompt():
+    g = torch.Generator().manual_seed(7)
+    return torch.randint(0, VOCAB, (1, 150), generator=g)
