@@ -12,6 +12,7 @@ Example: Llama-3-8B (32 layers, 8 kv heads, head dim 128) in bf16 with 16-token 
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -78,13 +79,18 @@ class BlockLayout:
 
     @classmethod
     def from_dict(cls, d: dict) -> "BlockLayout":
+        if not isinstance(d, dict):
+            raise InvalidInput(f"a layout must be a dict, got {type(d).__name__}")
         try:
+            # operator.index: ints (numpy ints too), never a silently truncated float or a str
             return cls(
-                num_layers=int(d["num_layers"]),
-                num_kv_heads=int(d["num_kv_heads"]),
-                head_dim=int(d["head_dim"]),
-                block_tokens=int(d["block_tokens"]),
+                num_layers=operator.index(d["num_layers"]),
+                num_kv_heads=operator.index(d["num_kv_heads"]),
+                head_dim=operator.index(d["head_dim"]),
+                block_tokens=operator.index(d["block_tokens"]),
                 dtype=d["dtype"],
             )
         except KeyError as e:
             raise InvalidInput(f"layout is missing field {e.args[0]!r}") from None
+        except TypeError as e:
+            raise InvalidInput(f"layout fields must be ints and a dtype name: {e}") from None
