@@ -1,0 +1,240 @@
+"""Client side of node-to-node sharing: push blocks to a peer, look blocks up on a peer.
+
+Push (prefill node -> decode node), over one authenticated channel::
+
+    OPEN_REGION {bytes}            ->   REGION {transport, addr, bytes}   (landing memory)
+    TE write chunk 0 -> half A;  PUT_BLOCKS {offsets, crcs} + keys   ->
+    TE write chunk 1 -> half B;  PUT_BLOCKS ...                      ->
+                                   <-   PUT_ACK chunk 0   (durable on the peer)
+    TE write chunk 2 -> half A (only after chunk 0's ack) ...
+
+Two halves of the landing region double-buffer the stream: the peer persists chunk k while the
+engine moves chunk k+1, so the durable push runs close to the engine's own write speed. On the
+inline (plain TCP) path the data follows the keys in each PUT_BLOCKS frame and the same
+two-chunks-in-flight window applies.
+
+Invariants:
+  P1. ``push`` returns only after the peer acknowledged every chunk, and the peer acknowledges a
+      chunk only after ``put_blocks`` with the requested durability returned there.
+  P2. The peer stores a block only if its bytes match the CRC-32C the sender computed from the
+      source (carried in the HMAC-tagged PUT_BLOCKS); otherwise nothing of that chunk is stored
+      and the push raises ``ReplicationError``.
+  P3. A chunk's landing half is rewritten only after that chunk's ack (no torn reuse).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from kvdb import native
+from kvdb.errors import InvalidInput, ReplicationError
+from kvdb.replication.channel import connect, load_secret
+from kvdb.replication.protocol import MsgType
+from kvdb.replication.transport import Transport, get_transport
+from kvdb.types import KEY_BYTES
+
+DEFAULT_CHUNK_BYTES = 32 << 20  # bytes per PUT_BLOCKS chunk; two are in flight
+DURABILITY = ("none", "group", "sync")
+
+
+def encode_keys(keys) -> bytes:
+    raw = []
+    for i, k in enumerate(keys):
+        if not isinstance(k, (bytes, bytearray)) or len(k) != KEY_BYTES:
+            raise InvalidInput(f"key {i} must be {KEY_BYTES} bytes, got {type(k).__name__} {k!r:.40}")
+        raw.append(bytes(k))
+    return b"".join(raw)
+
+
+def decode_keys(blob, n: int) -> list[bytes]:
+    raw = bytes(blob[: n * KEY_BYTES])
+    if len(raw) != n * KEY_BYTES:
+        raise ReplicationError(f"corrupted message: expected {n} keys, got {len(raw)} key bytes")
+    return [raw[i * KEY_BYTES : (i + 1) * KEY_BYTES] for i in range(n)]
+
+
+def page_crcs(pages_2d: torch.Tensor) -> list[int]:
+    """CRC-32C of each row of a [n, page_bytes] uint8 tensor (one native call per block)."""
+    arr = pages_2d.numpy()
+    return [native.crc32c(arr[i]) for i in range(arr.shape[0])]
+
+
+@dataclass
+class PushResult:
+    num_blocks: int
+    num_bytes: int
+    transport: str  # "mooncake" or "tcp" (inline)
+
+
+class Peer:
+    """An authenticated connection to one node; thread-compatible (one caller at a time)."""
+
+    def __init__(
+        self,
+        addr: str,
+        *,
+        secret: bytes | None = None,
+        secret_file=None,
+        transport: Transport | str | None = None,
+        node: str = "",
+        timeout_s: float = 60.0,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    ) -> None:
+        if secret is None:
+            secret = load_secret(secret_file)
+        self.addr = addr
+        self.channel = connect(addr, secret, node=node, timeout_s=timeout_s)
+        if isinstance(transport, Transport):
+            self.transport = transport
+        else:
+            local_host = self.channel.sock.getsockname()[0]
+            self.transport = get_transport(transport, local_host=local_host)
+        self.peer_transport = self.channel.peer_meta.get("transport") or {}
+        self.peer_layout = self.channel.peer_meta.get("layout")
+        self.chunk_bytes = int(chunk_bytes)
+        self._region: dict | None = None  # the peer's landing region for this connection
+
+    @property
+    def uses_engine(self) -> bool:
+        return self.transport.can_write_to(self.peer_transport)
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> "Peer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ push
+
+    def _landing_region(self, nbytes: int) -> dict:
+        if self._region is None or self._region["bytes"] < nbytes:
+            self.channel.send(MsgType.OPEN_REGION, {"bytes": nbytes})
+            reply = self.channel.expect(MsgType.REGION)
+            self._region = reply.meta
+        return self._region
+
+    def push(self, keys, pages: torch.Tensor, *, durability: str = "sync") -> PushResult:
+        """Store ``pages[i]`` under ``keys[i]`` on the peer; returns once durable there (P1)."""
+        if durability not in DURABILITY:
+            raise InvalidInput(f"durability must be one of {DURABILITY}, got {durability!r}")
+        keys = list(keys)
+        n = len(keys)
+        if pages.shape[0] != n:
+            raise InvalidInput(f"{n} keys but {pages.shape[0]} pages")
+        if n == 0:
+            return PushResult(0, 0, self.transport.kind)
+        rows = pages if pages.dim() >= 2 else pages.reshape(n, -1)
+        data = _as_rows(rows)
+        page_bytes = data.shape[1]
+        if self.peer_layout and self.peer_layout.get("page_bytes") not in (None, page_bytes):
+            raise InvalidInput(
+                f"pages are {page_bytes} bytes but {self.addr} stores {self.peer_layout['page_bytes']}-byte "
+                "blocks (another layout)"
+            )
+        key_blob = encode_keys(keys)
+        per_chunk = max(1, min(n, self.chunk_bytes // page_bytes))
+        engine = self.uses_engine
+        window = 2  # chunks in flight (P3: a landing half is reused only after its ack)
+        region = None
+        registered = False
+        if engine:
+            want = (2 if n > per_chunk else 1) * per_chunk * page_bytes
+            region = self._landing_region(want)
+            slots = int(region["bytes"]) // page_bytes
+            if slots < 1:
+                raise ReplicationError(f"{self.addr} offered a landing region smaller than one block")
+            per_chunk = min(per_chunk, slots)
+            window = 2 if slots >= 2 * per_chunk else 1
+            registered = self.transport.register(data)
+        try:
+            self._push_chunks(key_blob, data, durability, per_chunk, window, region)
+        finally:
+            if engine and registered:
+                self.transport.unregister(data)
+        return PushResult(n, n * page_bytes, "mooncake" if engine else "tcp")
+
+    def _push_chunks(self, key_blob: bytes, data: torch.Tensor, durability: str, per_chunk: int,
+                     window: int, region: dict | None) -> None:
+        n, page_bytes = data.shape
+        engine = region is not None
+        in_flight: deque[int] = deque()
+        for chunk, start in enumerate(range(0, n, per_chunk)):
+            stop = min(n, start + per_chunk)
+            if len(in_flight) >= window:
+                self._wait_ack(in_flight.popleft())
+            part = data[start:stop]
+            meta = {"chunk": chunk, "page_bytes": page_bytes, "crcs": page_crcs(part), "durability": durability}
+            ck = key_blob[start * KEY_BYTES : stop * KEY_BYTES]
+            if engine:
+                offset = (chunk % window) * per_chunk * page_bytes
+                base = int(region["addr"]) + offset
+                srcs = [(part[i].data_ptr(), page_bytes) for i in range(stop - start)]
+                self.transport.write(region["transport"], srcs, [base + i * page_bytes for i in range(stop - start)])
+                meta.update(inline=False, offset=offset)
+                self.channel.send(MsgType.PUT_BLOCKS, meta, [ck])
+            else:
+                meta.update(inline=True)
+                self.channel.send(MsgType.PUT_BLOCKS, meta, [ck, part.numpy()])
+            in_flight.append(chunk)
+        while in_flight:
+            self._wait_ack(in_flight.popleft())
+
+    def _wait_ack(self, chunk: int) -> None:
+        ack = self.channel.expect(MsgType.PUT_ACK)
+        if ack.meta.get("chunk") != chunk:
+            self.channel.close()
+            raise ReplicationError(f"{self.addr} acknowledged chunk {ack.meta.get('chunk')}, expected {chunk}")
+
+    # ------------------------------------------------------------------ lookup
+
+    def lookup(self, keys, *, fetch: bool = True) -> tuple[int, torch.Tensor | None]:
+        """Longest prefix of ``keys`` the peer holds and, with ``fetch``, those blocks as
+        a [hits, page_bytes] uint8 tensor (CRC-checked; the caller views it in its layout)."""
+        keys = list(keys)
+        self.channel.send(MsgType.LOOKUP, {"keys": len(keys), "fetch": bool(fetch)}, [encode_keys(keys)])
+        reply = self.channel.expect(MsgType.LOOKUP_REPLY)
+        hits = int(reply.meta.get("hits", 0))
+        if hits < 0 or hits > len(keys):
+            raise ReplicationError(f"{self.addr} reported {hits} hits for {len(keys)} keys")
+        if not fetch or hits == 0:
+            return hits, None
+        page_bytes = int(reply.meta["page_bytes"])
+        blob = reply.blob
+        if blob.nbytes != hits * page_bytes:
+            raise ReplicationError(f"{self.addr} sent {blob.nbytes} bytes for {hits} blocks of {page_bytes}")
+        out = torch.frombuffer(blob, dtype=torch.uint8).reshape(hits, page_bytes)
+        crcs = page_crcs(out)
+        if crcs != list(reply.meta.get("crcs", [])):
+            raise ReplicationError(f"blocks fetched from {self.addr} fail their CRC-32C check")
+        return hits, out
+
+    # ------------------------------------------------------------------ status
+
+    def status(self) -> dict:
+        self.channel.send(MsgType.STATUS, {})
+        return self.channel.expect(MsgType.STATUS_REPLY).meta
+
+    def ping(self) -> None:
+        self.channel.send(MsgType.PING, {})
+        self.channel.expect(MsgType.PONG)
+
+
+def _as_rows(rows: torch.Tensor) -> torch.Tensor:
+    if rows.device.type != "cpu":
+        raise InvalidInput(f"push sends host memory; got pages on {rows.device} (copy them to the host)")
+    if not rows.is_contiguous():
+        raise InvalidInput("push needs contiguous pages (call .contiguous() first)")
+    return rows.view(torch.uint8).reshape(rows.shape[0], -1)
+
+
+def push(keys, pages: torch.Tensor, peer: str, *, secret_file=None, secret: bytes | None = None,
+         durability: str = "sync", transport: Transport | str | None = None) -> PushResult:
+    """One-shot push of ``pages`` under ``keys`` to ``peer`` (``host:port``); durable on return."""
+    with Peer(peer, secret=secret, secret_file=secret_file, transport=transport) as p:
+        return p.push(keys, pages, durability=durability)

@@ -1,0 +1,148 @@
+"""The replication wire format: one frame layout for every control-plane message.
+
+Every message between two kvdb nodes is one frame on a TCP connection (all integers
+little-endian)::
+
+    offset  bytes  field
+    0       4      magic      b"KVRP"
+    4       1      version    PROTOCOL_VERSION (1); a peer speaking another version is refused
+    5       1      type       MsgType (stable values below; never renumber)
+    6       2      flags      0 (reserved; a frame with other bits set is rejected)
+    8       8      seq        per-direction sequence number: 0, 1, 2, ... from the first frame
+    16      4      meta_bytes length of the JSON metadata
+    20      8      blob_bytes length of the binary blob
+    28      m      meta       UTF-8 JSON object (sorted keys), e.g. {"keys": 3, "durability": "sync"}
+    28+m    b      blob       raw bytes: block keys (16 bytes each), inline block data, log records
+    28+m+b  32     tag        HMAC-SHA256(key, header || meta || blob)
+
+The tag key is the direction's session key after the handshake (channel.py). Handshake frames
+(HELLO, CHALLENGE, RESPONSE, and an ERROR sent before the session exists) use the fixed public
+key ``HANDSHAKE_KEY``: their tag only detects damage; their authentication is the HMAC proofs
+they carry. The sequence number inside the tagged header makes a replayed, dropped or reordered
+frame fail the check on the receiving side.
+
+Worked example: a PING (type 40) with meta ``{}`` and no blob as the first frame after the
+handshake is the 28-byte header ``4b565250 01 28 0000 0000000000000000 02000000
+0000000000000000``, then ``7b7d`` (``{}``), then the 32-byte tag.
+
+Limits (a corrupt length must not make a node allocate gigabytes): meta at most 4 MiB, blob at
+most ``MAX_BLOB_BYTES`` (1 GiB). A frame over either limit is rejected as corrupt.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import hmac
+import json
+import struct
+from dataclasses import dataclass, field
+
+from kvdb.errors import ReplicationError
+
+MAGIC = b"KVRP"
+PROTOCOL_VERSION = 1
+HEADER = struct.Struct("<4sBBHQIQ")
+HEADER_BYTES = HEADER.size  # 28
+TAG_BYTES = 32
+MAX_META_BYTES = 4 << 20
+MAX_BLOB_BYTES = 1 << 30
+HANDSHAKE_KEY = b"kvdb-replication-handshake-v1"
+
+
+class MsgType(enum.IntEnum):
+    """Frame types. On-wire values are stable: never renumber; retired values stay as comments."""
+
+    HELLO = 1  # client -> server: {"version", "node", "nonce"} (nonce hex, 32 bytes)
+    CHALLENGE = 2  # server -> client: {"nonce", "proof"}: the server proves it holds the secret
+    RESPONSE = 3  # client -> server: {"proof"}
+    WELCOME = 4  # server -> client: {"node", "transport"}: first frame under the session keys
+    ERROR = 5  # either way: {"code", "message"}; the sender closes the connection after it
+
+    OPEN_REGION = 10  # client -> server: {"bytes"}: ask for a landing region for bulk data
+    REGION = 11  # server -> client: {"transport": descriptor, "addr", "bytes"}
+    PUT_BLOCKS = 12  # client -> server: {"offsets", "crcs", "durability", "inline"}; blob: keys [+ data]
+    PUT_ACK = 13  # server -> client: {"blocks", "seq"}: durable on the server
+
+    LOOKUP = 20  # client -> server: {"get"}; blob: keys: longest cached prefix (and its blocks)
+    LOOKUP_REPLY = 21  # server -> client: {"hits", "crcs", "inline"}; blob: [data]
+
+    SHIP_HELLO = 30  # leader -> follower: {"leader", "last_lsn"}
+    SHIP_POSITION = 31  # follower -> leader: {"applied_lsn"}
+    SHIP_RECORDS = 32  # leader -> follower: {"lsns", "offsets", "lengths", "crcs", "inline"}
+    SHIP_ACK = 33  # follower -> leader: {"applied_lsn"}: durable on the follower
+
+    PING = 40  # either way: {}
+    PONG = 41
+    STATUS = 42  # client -> server: {}
+    STATUS_REPLY = 43  # server -> client: {"node", "role", "applied_lsn", "followers": [...]}
+
+
+class ErrorCode(enum.IntEnum):
+    """Codes carried by ERROR frames (stable values)."""
+
+    AUTH = 1  # the peer failed authentication
+    VERSION = 2  # unsupported protocol version
+    PROTOCOL = 3  # unexpected or malformed message
+    CORRUPT = 4  # a frame or a block failed its check
+    INTERNAL = 5  # the server failed while serving the request (the message says why)
+    INVALID = 6  # the request was well formed but not acceptable (wrong layout, too large)
+
+
+@dataclass
+class Message:
+    type: MsgType
+    meta: dict = field(default_factory=dict)
+    blob: memoryview = field(default_factory=lambda: memoryview(b""))
+    seq: int = 0
+
+
+def encode_meta(meta: dict) -> bytes:
+    return json.dumps(meta, sort_keys=True, separators=(",", ":")).encode("utf-8")
+
+
+def encode_header(mtype: int, seq: int, meta_bytes: int, blob_bytes: int) -> bytes:
+    return HEADER.pack(MAGIC, PROTOCOL_VERSION, int(mtype), 0, seq, meta_bytes, blob_bytes)
+
+
+def compute_tag(key: bytes, header: bytes, meta: bytes, blobs) -> bytes:
+    """HMAC-SHA256 over header, meta and every blob part, in order, without joining them."""
+    mac = hmac.new(key, header, hashlib.sha256)
+    mac.update(meta)
+    for b in blobs:
+        mac.update(b)
+    return mac.digest()
+
+
+def decode_header(raw: bytes) -> tuple[int, int, int, int]:
+    """Check a 28-byte header and return (type, seq, meta_bytes, blob_bytes)."""
+    magic, version, mtype, flags, seq, meta_bytes, blob_bytes = HEADER.unpack(raw)
+    if magic != MAGIC:
+        raise ReplicationError(
+            f"corrupted message: bad magic {magic!r} (expected {MAGIC!r}); is the peer a kvdb node?"
+        )
+    if version != PROTOCOL_VERSION:
+        raise ReplicationError(
+            f"peer speaks replication protocol version {version}, this node speaks "
+            f"{PROTOCOL_VERSION}; run the same kvdb version on both nodes"
+        )
+    if flags != 0:
+        raise ReplicationError(f"corrupted message: reserved flags 0x{flags:04x} are set")
+    if mtype not in MsgType._value2member_map_:
+        raise ReplicationError(f"corrupted message: unknown message type {mtype}")
+    if meta_bytes > MAX_META_BYTES or blob_bytes > MAX_BLOB_BYTES:
+        raise ReplicationError(
+            f"corrupted message: lengths meta={meta_bytes} blob={blob_bytes} exceed the limits "
+            f"({MAX_META_BYTES}, {MAX_BLOB_BYTES})"
+        )
+    return mtype, seq, meta_bytes, blob_bytes
+
+
+def decode_meta(raw) -> dict:
+    try:
+        meta = json.loads(bytes(raw).decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ReplicationError(f"corrupted message: metadata is not JSON ({e})") from None
+    if not isinstance(meta, dict):
+        raise ReplicationError("corrupted message: metadata is not a JSON object")
+    return meta

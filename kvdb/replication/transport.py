@@ -1,0 +1,222 @@
+"""Data plane: how block bytes move between nodes.
+
+Two transports behind one interface:
+
+``MooncakeTransport`` (the default wherever the ``mooncake-transfer-engine-non-cuda`` wheel
+imports) drives the Mooncake Transfer Engine: each node initialises one engine with
+``P2PHANDSHAKE`` metadata (no etcd), protocol ``rdma`` when an RDMA NIC is present
+(``/sys/class/infiniband`` is not empty) and ``tcp`` otherwise. The receiver registers a landing
+region with the engine and names it in a REGION reply (``{"kind": "mooncake", "session":
+"host:rpc_port"}`` plus the address); the sender registers its source memory (the caller's
+pages tensor or the host arena, once, not a copy) and issues one batched one-sided write, then
+sends a small authenticated control message with each block's CRC-32C. The engine itself has no
+authentication: anyone who can reach its port may write into registered memory, so a node only
+trusts landed bytes whose CRC matches the HMAC-tagged control message, and the engine's port must
+stay on a trusted fabric (docs/replication.md).
+
+``TcpTransport`` is for platforms without the wheel: the bytes travel inline in the
+HMAC-tagged control frame itself (``"inline": true``), sent straight from the source memory with
+``sendmsg`` and received straight into a fresh tensor.
+
+A pair of nodes uses the engine only when both ends have it; otherwise the inline path.
+``KVDB_REPLICATION_TRANSPORT=tcp`` forces the inline path (``mooncake`` forbids the fallback).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from kvdb.errors import InvalidInput, ReplicationError
+
+_TE_BATCH_ENTRIES = 256  # entries per batch_transfer_sync_write call
+
+
+@dataclass
+class Region:
+    """Landing memory a receiver exposes for one connection; ``tensor`` is None when inline."""
+
+    tensor: torch.Tensor | None
+    addr: int
+    nbytes: int
+
+
+def rdma_available() -> bool:
+    try:
+        return bool(os.listdir("/sys/class/infiniband"))
+    except OSError:
+        return False
+
+
+def mooncake_import_error() -> str | None:
+    """None when the Transfer Engine imports here, else why not (for skip messages and logs)."""
+    try:
+        from mooncake.engine import TransferEngine  # noqa: F401
+    except Exception as e:  # ImportError, or OSError when libibverbs1 / librdmacm1 are missing
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+class Transport(ABC):
+    """Moves byte ranges from local memory into a peer's landing region."""
+
+    kind: str  # "mooncake" or "tcp"
+    protocol: str  # the wire under it: "rdma" or "tcp"
+
+    @abstractmethod
+    def descriptor(self) -> dict:
+        """What a peer needs to address this node's registered memory."""
+
+    @abstractmethod
+    def open_region(self, nbytes: int) -> Region:
+        """Allocate landing memory of ``nbytes`` that peers may write into."""
+
+    def close_region(self, region: Region) -> None:
+        pass
+
+    def register(self, tensor: torch.Tensor) -> bool:
+        """Make ``tensor``'s memory a valid source (no copy); True when newly registered."""
+        return False
+
+    def unregister(self, tensor: torch.Tensor) -> None:
+        pass
+
+    def can_write_to(self, peer: dict | None) -> bool:
+        return False
+
+    def write(self, peer: dict, srcs: list[tuple[int, int]], dst_addrs: list[int]) -> None:
+        """One-sided synchronous write of each (ptr, nbytes) source to the matching address."""
+        raise ReplicationError(f"the {self.kind} transport cannot write into peer memory")
+
+    def close(self) -> None:
+        pass
+
+
+class TcpTransport(Transport):
+    """The inline fallback: bytes ride in the control frames (see module doc)."""
+
+    kind = "tcp"
+    protocol = "tcp"
+
+    def descriptor(self) -> dict:
+        return {"kind": "tcp"}
+
+    def open_region(self, nbytes: int) -> Region:
+        return Region(None, 0, 0)
+
+
+class MooncakeTransport(Transport):
+    """The Mooncake Transfer Engine with P2P handshake metadata."""
+
+    kind = "mooncake"
+
+    def __init__(self, local_host: str = "127.0.0.1", protocol: str | None = None) -> None:
+        err = mooncake_import_error()
+        if err is not None:
+            raise ReplicationError(
+                f"the Mooncake Transfer Engine is not usable here ({err}); install "
+                "mooncake-transfer-engine-non-cuda and libibverbs1 librdmacm1, or use the tcp transport"
+            )
+        from mooncake.engine import TransferEngine
+
+        self.protocol = protocol or ("rdma" if rdma_available() else "tcp")
+        self.local_host = local_host
+        self.engine = TransferEngine()
+        rc = self.engine.initialize(local_host, "P2PHANDSHAKE", self.protocol, "")
+        if rc != 0:
+            raise ReplicationError(
+                f"Mooncake Transfer Engine failed to initialise on {local_host} with protocol "
+                f"{self.protocol} (rc={rc})"
+            )
+        self.session_id = f"{local_host}:{self.engine.get_rpc_port()}"
+        self._lock = threading.Lock()  # guards _registered
+        # base address -> (nbytes, storage kept alive while registered)
+        self._registered: dict[int, tuple[int, object]] = {}
+
+    def descriptor(self) -> dict:
+        return {"kind": "mooncake", "session": self.session_id, "protocol": self.protocol}
+
+    def can_write_to(self, peer: dict | None) -> bool:
+        return bool(peer) and peer.get("kind") == "mooncake" and peer.get("protocol") == self.protocol
+
+    def _covered(self, ptr: int, nbytes: int) -> bool:
+        return any(b <= ptr and ptr + nbytes <= b + n for b, (n, _) in self._registered.items())
+
+    def register(self, tensor: torch.Tensor) -> bool:
+        """Register the whole host storage behind ``tensor`` (an arena is registered once, not
+        per page). Returns True when this call registered it (the caller then unregisters)."""
+        if tensor.device.type != "cpu":
+            raise InvalidInput(f"the Transfer Engine path sends host memory; got a tensor on {tensor.device}")
+        storage = tensor.untyped_storage()
+        ptr, nbytes = storage.data_ptr(), storage.nbytes()
+        with self._lock:
+            if nbytes == 0 or self._covered(ptr, nbytes):
+                return False
+            rc = self.engine.register_memory(ptr, nbytes)
+            if rc != 0:
+                raise ReplicationError(f"Transfer Engine could not register {nbytes} bytes (rc={rc})")
+            self._registered[ptr] = (nbytes, storage)
+            return True
+
+    def unregister(self, tensor: torch.Tensor) -> None:
+        ptr = tensor.untyped_storage().data_ptr()
+        with self._lock:
+            if self._registered.pop(ptr, None) is not None:
+                self.engine.unregister_memory(ptr)
+
+    def open_region(self, nbytes: int) -> Region:
+        t = torch.empty(nbytes, dtype=torch.uint8)
+        self.register(t)
+        return Region(t, t.data_ptr(), nbytes)
+
+    def close_region(self, region: Region) -> None:
+        if region.tensor is not None:
+            self.unregister(region.tensor)
+
+    def write(self, peer: dict, srcs: list[tuple[int, int]], dst_addrs: list[int]) -> None:
+        target = peer["session"]
+        for i in range(0, len(srcs), _TE_BATCH_ENTRIES):
+            part = srcs[i : i + _TE_BATCH_ENTRIES]
+            rc = self.engine.batch_transfer_sync_write(
+                target, [p for p, _ in part], dst_addrs[i : i + _TE_BATCH_ENTRIES], [n for _, n in part]
+            )
+            if rc != 0:
+                raise ReplicationError(
+                    f"Transfer Engine write of {len(part)} ranges to {target} failed (rc={rc}); "
+                    "the peer may have restarted or dropped its landing region"
+                )
+
+    def close(self) -> None:
+        with self._lock:
+            for ptr in list(self._registered):
+                self.engine.unregister_memory(ptr)
+            self._registered.clear()
+
+
+_shared: dict[tuple[str, str], Transport] = {}
+_shared_lock = threading.Lock()
+
+
+def transport_kind(requested: str | None = None) -> str:
+    """Resolve ``auto`` / None / the environment override to "mooncake" or "tcp"."""
+    kind = requested or os.environ.get("KVDB_REPLICATION_TRANSPORT", "auto")
+    if kind not in ("auto", "mooncake", "tcp"):
+        raise InvalidInput(f"unknown replication transport {kind!r}; one of auto, mooncake, tcp")
+    if kind == "auto":
+        return "mooncake" if mooncake_import_error() is None else "tcp"
+    return kind
+
+
+def get_transport(kind: str | None = None, local_host: str = "127.0.0.1") -> Transport:
+    """The process's shared transport of ``kind`` bound to ``local_host`` (created once)."""
+    kind = transport_kind(kind)
+    with _shared_lock:
+        t = _shared.get((kind, local_host))
+        if t is None:
+            t = MooncakeTransport(local_host) if kind == "mooncake" else TcpTransport()
+            _shared[(kind, local_host)] = t
+        return t
