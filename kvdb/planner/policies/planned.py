@@ -1,0 +1,296 @@
+"""``kvdb``: the planner's policy -- approximate Belady from what is known now.
+
+Each resident block is in one of two classes:
+
+* **planned**: a hint says when its session comes back (``expected_tool_duration_s``: next
+  use ~ now + d; ``ttl_s``: keep until now + ttl). Key = predicted next use ``t_next``;
+  among planned blocks the one wanted furthest in the future goes first (Belady on the
+  estimate). A plan has a deadline (t_next + 3 d + 2 s, slack for noisy hints: σ = 1 in log
+  space is a factor e either way); past it the block falls back to the unplanned class.
+* **unplanned**: GreedyDual over a learned value. Key H = L + v with
+  v = min(accesses, 64) * (1 + priority), 0 for the last block of a call (almost always a
+  partial block: the next turn's longer prompt changes its hash, so it is reused ~1 % of the
+  time on the Mooncake traces vs ~40 % for its parent). L rises to the H of each victim, so
+  an idle block ages out however valuable it was. Access counts survive eviction in a ghost
+  table of ``num_frames`` ids, so a returning hot prefix is recognised.
+
+Victim choice: expired plans are demoted first; then a planned block is evicted if its next
+use lies further ahead than ``Tc`` (the cache's characteristic time: EWMA of the age at
+eviction of unplanned victims -- a block not needed within Tc would not survive anyway), else
+the unplanned block with the least H. Blocks of an ended session that no other session
+touched get H = -inf (first out). Ties go to the deeper block (R3): keys carry -depth.
+
+Costs per access: O(log n) heap pushes; stale heap entries are skipped lazily and compacted.
+Reads only the past, declared workflows and hints (no peeking; tests/sim check it).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from array import array
+from collections import OrderedDict
+from typing import Any, Hashable
+
+from kvdb.buffer_pool.replacer import AccessContext, Replacer
+from kvdb.planner.events import HintGiven, SessionEnded
+
+ABSENT, LISTED, PINNED = 0, 1, 2
+VALUE_CAP = 64
+PLAN_SLACK_FACTOR = 3.0  # deadline = t_next + factor * d + PLAN_SLACK_S
+PLAN_SLACK_S = 2.0
+TC_ALPHA = 0.05  # EWMA weight of one victim's age in Tc
+
+
+class PlannedReplacer(Replacer):
+    name = "kvdb"
+
+    def __init__(self, num_frames: int) -> None:
+        super().__init__(num_frames)
+        n = num_frames
+        self._state = bytearray(n)
+        self._planned = bytearray(n)
+        self._leaf = bytearray(n)
+        self._shared = bytearray(n)
+        self._ver = array("q", [0]) * n  # version of the frame's GreedyDual entry
+        self._pver = array("q", [0]) * n  # version of its plan entries
+        self._h = array("d", [0.0]) * n
+        self._depth = array("i", [0]) * n
+        self._hits = array("q", [0]) * n
+        self._last_s = array("d", [0.0]) * n
+        self._t_next = array("d", [0.0]) * n
+        self._deadline = array("d", [0.0]) * n
+        self._id: list[Hashable] = [None] * n
+        self._sess: list[str | None] = [None] * n
+        self._gd: list[tuple] = []  # (H, -depth, ver, f)
+        self._plan: list[tuple] = []  # (-t_next, -depth, pver, f)
+        self._expire: list[tuple] = []  # (deadline, pver, f)
+        self._ghosts: OrderedDict[Hashable, int] = OrderedDict()
+        self._session_frames: dict[str, set[int]] = {}
+        self._count = 0
+        self._L = 0.0
+        self._tc = math.inf
+        self._now = 0.0
+
+    # -- bookkeeping --------------------------------------------------------------------
+    def _push_gd(self, f: int) -> None:
+        v = self._ver[f] + 1
+        self._ver[f] = v
+        heapq.heappush(self._gd, (self._h[f], -self._depth[f], v, f))
+        if len(self._gd) > 4 * self.num_frames + 64:
+            self._gd = [(self._h[g], -self._depth[g], self._ver[g], g) for g in range(self.num_frames)
+                        if self._state[g] != ABSENT and not self._planned[g]]
+            heapq.heapify(self._gd)
+
+    def _plan(self, f: int, t_next: float, deadline: float) -> None:
+        if self._planned[f] and self._t_next[f] >= self._now and self._deadline[f] > self._now:
+            t_next = min(t_next, self._t_next[f])  # another session still awaits it
+            deadline = max(deadline, self._deadline[f])
+        self._planned[f] = 1
+        self._ver[f] += 1  # its GreedyDual entry is dead while planned
+        pv = self._pver[f] + 1
+        self._pver[f] = pv
+        self._t_next[f] = t_next
+        self._deadline[f] = deadline
+        heapq.heappush(self._plan, (-t_next, -self._depth[f], pv, f))
+        heapq.heappush(self._expire, (deadline, pv, f))
+        if len(self._plan) > 4 * self.num_frames + 64:
+            live = [g for g in range(self.num_frames) if self._state[g] != ABSENT and self._planned[g]]
+            self._plan = [(-self._t_next[g], -self._depth[g], self._pver[g], g) for g in live]
+            self._expire = [(self._deadline[g], self._pver[g], g) for g in live]
+            heapq.heapify(self._plan)
+            heapq.heapify(self._expire)
+
+    def _unplan(self, f: int) -> None:
+        self._planned[f] = 0
+        self._pver[f] += 1
+        self._push_gd(f)
+
+    def _own(self, f: int, sid: str | None) -> None:
+        old = self._sess[f]
+        if old == sid:
+            return
+        if old is not None:
+            fs = self._session_frames.get(old)
+            if fs is not None:
+                fs.discard(f)
+            self._shared[f] = 1
+        self._sess[f] = sid
+        if sid is not None:
+            self._session_frames.setdefault(sid, set()).add(f)
+
+    def _plan_for(self, hints: dict[str, Any], now: float) -> tuple[float, float] | None:
+        d = hints.get("expected_tool_duration_s")
+        ttl = hints.get("ttl_s")
+        if d is not None:
+            return now + d, now + d * (1.0 + PLAN_SLACK_FACTOR) + PLAN_SLACK_S
+        if ttl is not None:
+            return now, now + ttl
+        return None
+
+    # -- Replacer -----------------------------------------------------------------------
+    def record_access(self, frames, ids=None, ctx: AccessContext | None = None) -> None:
+        if ctx is not None and ctx.now_s > self._now:
+            self._now = ctx.now_s
+        now = self._now
+        sid = ctx.session_id if ctx is not None else None
+        hints = ctx.hints if ctx is not None else {}
+        prio = 1 + hints.get("priority", 0)
+        plan = self._plan_for(hints, now) if (hints and sid is not None) else None
+        state, hits, ghosts = self._state, self._hits, self._ghosts
+        last = len(frames) - 1
+        L = self._L
+        for j, f in enumerate(frames):
+            bid = ids[j] if ids is not None else None
+            if state[f] == ABSENT or hits[f] == 0:
+                if state[f] == ABSENT:
+                    self._check(f)
+                    state[f] = LISTED
+                    self._count += 1
+                n = (ghosts.pop(bid, 0) if bid is not None else 0) + 1
+                self._id[f] = bid
+                self._planned[f] = 0
+                self._shared[f] = 0
+                self._sess[f] = None
+            else:
+                n = hits[f] + 1
+            hits[f] = n
+            self._depth[f] = j
+            self._last_s[f] = now
+            leaf = j == last and j > 0
+            self._leaf[f] = leaf
+            self._h[f] = L + (0 if leaf else min(n, VALUE_CAP) * prio)
+            self._own(f, sid)
+            if plan is not None and not leaf:
+                self._plan(f, plan[0], plan[1])
+            elif self._planned[f] and self._deadline[f] > now:
+                pass  # still awaited by the session that planned it
+            else:
+                if self._planned[f]:
+                    self._planned[f] = 0
+                    self._pver[f] += 1
+                self._push_gd(f)
+
+    def on_event(self, event: Any) -> None:
+        if isinstance(event, HintGiven):
+            if event.now_s > self._now:
+                self._now = event.now_s
+            plan = self._plan_for(event.hints, self._now)
+            prio = event.hints.get("priority")
+            for f in sorted(self._session_frames.get(event.session_id, ())):
+                if self._state[f] == ABSENT or self._leaf[f]:
+                    continue
+                if prio is not None:
+                    self._h[f] = self._L + min(self._hits[f], VALUE_CAP) * (1 + prio)
+                if plan is not None:
+                    self._plan(f, plan[0], plan[1])
+                elif not self._planned[f]:
+                    self._push_gd(f)
+        elif isinstance(event, SessionEnded):
+            if event.now_s > self._now:
+                self._now = event.now_s
+            for f in sorted(self._session_frames.pop(event.session_id, ())):
+                self._sess[f] = None
+                if self._state[f] == ABSENT or self._shared[f]:
+                    continue
+                self._h[f] = -math.inf
+                if self._planned[f]:
+                    self._unplan(f)
+                else:
+                    self._push_gd(f)
+
+    def _top(self, heap: list[tuple], ver: array, want_planned: int) -> tuple | None:
+        """Smallest live, unpinned entry (left on the heap)."""
+        stash = []
+        found = None
+        state, planned = self._state, self._planned
+        while heap:
+            e = heap[0]
+            f = e[-1]
+            if ver[f] != e[-2] or state[f] == ABSENT or planned[f] != want_planned:
+                heapq.heappop(heap)
+                continue
+            if state[f] == PINNED:
+                stash.append(heapq.heappop(heap))
+                continue
+            found = e
+            break
+        for e in stash:
+            heapq.heappush(heap, e)
+        return found
+
+    def evict(self) -> int | None:
+        now = self._now
+        exp = self._expire
+        while exp and exp[0][0] < now:
+            _, pv, f = heapq.heappop(exp)
+            if self._pver[f] == pv and self._planned[f] and self._state[f] != ABSENT:
+                self._unplan(f)
+        g = self._top(self._gd, self._ver, 0)
+        p = self._top(self._plan, self._pver, 1)
+        if p is not None and (g is None or -p[0] - now > self._tc):
+            f = p[-1]
+        elif g is not None:
+            f = g[-1]
+            if g[0] > self._L:
+                self._L = g[0]
+            age = now - self._last_s[f]
+            self._tc = age if self._tc == math.inf else self._tc + TC_ALPHA * (age - self._tc)
+        else:
+            return None
+        self._forget(f)
+        return f
+
+    def _forget(self, f: int) -> None:
+        if self._state[f] == LISTED:
+            self._count -= 1
+        self._state[f] = ABSENT
+        self._ver[f] += 1
+        self._pver[f] += 1
+        self._planned[f] = 0
+        bid = self._id[f]
+        if bid is not None:
+            self._ghosts[bid] = self._hits[f]
+            self._ghosts.move_to_end(bid)
+            if len(self._ghosts) > self.num_frames:
+                self._ghosts.popitem(last=False)
+            self._id[f] = None
+        self._hits[f] = 0
+        sid = self._sess[f]
+        if sid is not None:
+            fs = self._session_frames.get(sid)
+            if fs is not None:
+                fs.discard(f)
+                if not fs:
+                    del self._session_frames[sid]
+            self._sess[f] = None
+
+    def set_evictable(self, frame: int, evictable: bool) -> None:
+        self._check(frame)
+        s = self._state[frame]
+        if evictable and s == PINNED:
+            self._state[frame] = LISTED
+            self._count += 1
+            if self._hits[frame] == 0:  # pinned before its first access: give it a key
+                self._hits[frame] = 1
+                self._h[frame] = self._L + 1
+                self._push_gd(frame)
+        elif not evictable and s == LISTED:
+            self._state[frame] = PINNED
+            self._count -= 1
+        elif not evictable and s == ABSENT:
+            self._state[frame] = PINNED
+            self._hits[frame] = 0
+            self._id[frame] = None
+            self._sess[frame] = None
+
+    def remove(self, frame: int) -> None:
+        self._check(frame)
+        if self._state[frame] != ABSENT:
+            self._forget(frame)
+
+    def num_evictable(self) -> int:
+        return self._count
+
+    def debug_tc(self) -> float:
+        return self._tc

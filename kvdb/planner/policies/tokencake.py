@@ -1,0 +1,148 @@
+"""``tokencake``: offload the blocks of agents that wait on a tool (after TokenCake, 2025).
+
+When a call ends with an expected tool wait (hint ``expected_tool_duration_s``; without a
+number, the running mean of that ``tool``'s past waits), its session's private blocks are
+the first victims while the wait lasts, the session returning last going first; within a
+session, least recent and deeper first. ``RELOAD_LEAD_S`` before the predicted return the
+session stops being a victim (TokenCake reloads it then; the timed replay in kvdb/sim does
+the reload). Blocks touched by more than one session (shared prompts) are never offloaded
+this way. Everything else is LRU.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import OrderedDict
+from typing import Any
+
+from kvdb.buffer_pool.replacer import Replacer
+from kvdb.planner.events import CallStarted, HintGiven, SessionEnded
+
+RELOAD_LEAD_S = 1.0
+
+
+class TokencakeReplacer(Replacer):
+    name = "tokencake"
+
+    def __init__(self, num_frames: int) -> None:
+        super().__init__(num_frames)
+        self._lru: OrderedDict[int, None] = OrderedDict()
+        self._pinned: set[int] = set()
+        self._owner: dict[int, str | None] = {}
+        self._shared: set[int] = set()
+        self._private: dict[str, OrderedDict[int, None]] = {}
+        self._waiting: dict[str, tuple[float, int]] = {}  # session -> (return_s, epoch)
+        self._heap: list[tuple[float, int, str]] = []  # (-return_s, epoch, session)
+        self._epoch = 0
+        self._tool_mean: dict[str, tuple[float, int]] = {}
+        self._now = 0.0
+
+    def _wait(self, sid: str, hints: dict[str, Any], now: float) -> None:
+        d = hints.get("expected_tool_duration_s")
+        tool = hints.get("tool")
+        if tool is not None:
+            tool = str(tool)
+            if d is not None:
+                m, n = self._tool_mean.get(tool, (0.0, 0))
+                self._tool_mean[tool] = ((m * n + d) / (n + 1), n + 1)
+            elif tool in self._tool_mean:
+                d = self._tool_mean[tool][0]
+        if d is None:
+            return
+        self._epoch += 1
+        ret = now + d
+        self._waiting[sid] = (ret, self._epoch)
+        heapq.heappush(self._heap, (-ret, self._epoch, sid))
+
+    def on_event(self, event: Any) -> None:
+        now = getattr(event, "now_s", None)
+        if now is not None and now > self._now:
+            self._now = now
+        if isinstance(event, CallStarted) and event.session_id is not None:
+            self._waiting.pop(event.session_id, None)
+        elif isinstance(event, HintGiven):
+            self._wait(event.session_id, event.hints, self._now)
+        elif isinstance(event, SessionEnded):
+            self._waiting.pop(event.session_id, None)
+
+    def record_access(self, frames, ids=None, ctx=None) -> None:
+        if ctx is not None and ctx.now_s > self._now:
+            self._now = ctx.now_s
+        sid = ctx.session_id if ctx is not None else None
+        priv = None
+        if sid is not None:
+            priv = self._private.get(sid)
+            if priv is None:
+                priv = self._private[sid] = OrderedDict()
+        for i in range(len(frames) - 1, -1, -1):
+            f = frames[i]
+            self._check(f)
+            self._lru[f] = None
+            self._lru.move_to_end(f)
+            if f in self._shared:
+                continue
+            if f in self._owner:
+                old = self._owner[f]
+                if old != sid:  # a second session touched it: shared from now on
+                    self._shared.add(f)
+                    if old is not None and old in self._private:
+                        self._private[old].pop(f, None)
+                    continue
+            else:
+                self._owner[f] = sid
+            if priv is not None:
+                priv[f] = None
+                priv.move_to_end(f)
+        if sid is not None and ctx is not None and ctx.hints:
+            self._wait(sid, ctx.hints, self._now)
+
+    def _take(self, f: int) -> int:
+        del self._lru[f]
+        sid = self._owner.pop(f, None)
+        self._shared.discard(f)
+        if sid is not None:
+            p = self._private.get(sid)
+            if p is not None:
+                p.pop(f, None)
+                if not p:
+                    del self._private[sid]
+        return f
+
+    def evict(self) -> int | None:
+        heap = self._heap
+        while heap:
+            neg_ret, epoch, sid = heap[0]
+            w = self._waiting.get(sid)
+            if w is None or w[1] != epoch or not self._private.get(sid):
+                heapq.heappop(heap)
+                continue
+            if -neg_ret - self._now <= RELOAD_LEAD_S:
+                break  # the furthest return is imminent: nobody is worth offloading
+            for f in self._private[sid]:
+                if f not in self._pinned:
+                    return self._take(f)
+            break
+        for f in self._lru:
+            if f not in self._pinned:
+                return self._take(f)
+        return None
+
+    def set_evictable(self, frame: int, evictable: bool) -> None:
+        self._check(frame)
+        if evictable:
+            self._pinned.discard(frame)
+        else:
+            self._pinned.add(frame)
+
+    def remove(self, frame: int) -> None:
+        self._check(frame)
+        self._pinned.discard(frame)
+        if frame in self._lru:
+            self._take(frame)
+
+    def num_evictable(self) -> int:
+        return sum(1 for f in self._lru if f not in self._pinned)
+
+    def waiting_sessions(self, now_s: float) -> dict[str, float]:
+        """Sessions in a tool wait -> predicted return time (the timed replay reloads them)."""
+        return {s: r for s, (r, _) in self._waiting.items() if r > now_s}

@@ -1,0 +1,152 @@
+"""The planner's engine-side API: sessions, hints, workflow progress, EXPLAIN.
+
+A Db holds one ``Planner`` and delegates to it (the simulator does the very same, so a
+replay exercises this code path):
+
+    planner = Planner(replacers=[device_replacer, host_replacer])
+    planner.begin_session("s1", tenant="acme", workflow=[{"id": "a", "agent_id": "x"}])
+    ctx, outcomes = planner.call_started("s1", node_id="a", hints={...})
+    replacer.record_access(frames, keys, ctx)          # the Db's lookup of the call's blocks
+    planner.call_finished("s1", node_id="a")
+    planner.hint("s1", expected_tool_duration_s=30)    # -> [HintOutcome, ...]
+    planner.end_session("s1")
+
+Session states (a session id can be reused after it ended)::
+
+    (unknown) --begin_session--> OPEN --end_session--> (unknown)
+    call_started / call_finished / hint on an unknown id: NotFound, except call_started,
+    which opens the session implicitly (Mooncake traces carry no session lines).
+
+Every method takes ``now_s`` (seconds, monotone); None reads the planner's clock.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+from kvdb.buffer_pool.replacer import AccessContext, Replacer
+from kvdb.errors import InvalidInput, NotFound
+from kvdb.planner.events import CallFinished, CallStarted, HintGiven, SessionBegan, SessionEnded
+from kvdb.planner.hints import HintOutcome, check_hints
+from kvdb.planner.workflow import Workflow
+
+
+@dataclass
+class Session:
+    session_id: str
+    tenant: str | None
+    workflow: Workflow | None
+    opened_s: float
+    hints: dict[str, Any] = field(default_factory=dict)  # latest accepted/clipped values
+    num_calls: int = 0
+
+
+def as_workflow(session_id: str, workflow: Any) -> Workflow | None:
+    """Accept a Workflow, a list of node dicts or {"nodes": [...]}; validate (W1, W2)."""
+    if workflow is None or isinstance(workflow, Workflow):
+        return workflow
+    if isinstance(workflow, Mapping):
+        if "nodes" not in workflow:
+            raise InvalidInput(f"session {session_id!r}: a workflow object needs 'nodes'")
+        workflow = workflow["nodes"]
+    return Workflow.from_spec(session_id, workflow, where=f"session {session_id!r}")
+
+
+class Planner:
+    def __init__(self, replacers: Iterable[Replacer] = (), clock: Callable[[], float] = time.monotonic) -> None:
+        self._replacers: list[Replacer] = list(replacers)
+        self._clock = clock
+        self._sessions: dict[str, Session] = {}
+        self.outcome_counts = {"accepted": 0, "clipped": 0, "rejected": 0}
+
+    def attach(self, replacer: Replacer) -> None:
+        self._replacers.append(replacer)
+
+    def _now(self, now_s: float | None) -> float:
+        return self._clock() if now_s is None else float(now_s)
+
+    def _emit(self, event: Any) -> None:
+        for r in self._replacers:
+            r.on_event(event)
+
+    def get_session(self, session_id: str) -> Session:
+        try:
+            return self._sessions[session_id]
+        except KeyError:
+            raise NotFound(f"no open session {session_id!r}; call begin_session first") from None
+
+    def find_session(self, session_id: str) -> Session | None:
+        return self._sessions.get(session_id)
+
+    @property
+    def num_sessions(self) -> int:
+        return len(self._sessions)
+
+    def begin_session(self, session_id: str, *, tenant: str | None = None, workflow: Any = None,
+                      now_s: float | None = None) -> Session:
+        if not isinstance(session_id, str) or not session_id:
+            raise InvalidInput(f"a session id must be a non-empty string, got {session_id!r}")
+        if session_id in self._sessions:
+            raise InvalidInput(f"session {session_id!r} is already open; end it before reusing the id")
+        wf = as_workflow(session_id, workflow)
+        now = self._now(now_s)
+        s = Session(session_id, tenant, wf, now)
+        self._sessions[session_id] = s
+        self._emit(SessionBegan(session_id, now, tenant, wf))
+        return s
+
+    def _record(self, outcomes: Sequence[HintOutcome]) -> None:
+        for o in outcomes:
+            self.outcome_counts[o.status] += 1
+
+    def hint(self, session_id: str, *, now_s: float | None = None, **hints: Any) -> list[HintOutcome]:
+        """Advisory hints between calls; each gets an outcome (accepted / clipped / rejected)."""
+        s = self.get_session(session_id)
+        usable, outcomes = check_hints(hints)
+        self._record(outcomes)
+        s.hints.update(usable)
+        if usable:
+            self._emit(HintGiven(session_id, self._now(now_s), usable))
+        return outcomes
+
+    def call_started(self, session_id: str | None, *, node_id: str | None = None, agent_id: str | None = None,
+                     tenant: str | None = None, hints: Mapping[str, Any] | None = None,
+                     positions: Sequence[int] | None = None,
+                     now_s: float | None = None) -> tuple[AccessContext, list[HintOutcome]]:
+        """A call arrived: returns the AccessContext for the replacer and the hint outcomes."""
+        now = self._now(now_s)
+        usable, outcomes = check_hints(hints or {})
+        self._record(outcomes)
+        if session_id is not None:
+            s = self._sessions.get(session_id)
+            if s is None:
+                s = self.begin_session(session_id, tenant=tenant, now_s=now)
+            s.num_calls += 1
+            if node_id is not None and s.workflow is not None:
+                if node_id not in s.workflow.nodes:
+                    raise InvalidInput(f"session {session_id!r}: node {node_id!r} is not in its declared workflow")
+                if agent_id is None:
+                    agent_id = s.workflow.nodes[node_id].agent_id
+            tenant = tenant if tenant is not None else s.tenant
+        self._emit(CallStarted(session_id, now, node_id, agent_id, usable))
+        return AccessContext(now_s=now, session_id=session_id, tenant=tenant, positions=positions, hints=usable), outcomes
+
+    def call_finished(self, session_id: str | None, *, node_id: str | None = None, agent_id: str | None = None,
+                      hints: Mapping[str, Any] | None = None, now_s: float | None = None) -> None:
+        now = self._now(now_s)
+        if session_id is not None:
+            s = self._sessions.get(session_id)
+            if s is not None and node_id is not None and s.workflow is not None and node_id in s.workflow.nodes:
+                s.workflow.mark_done(node_id)
+        self._emit(CallFinished(session_id, now, node_id, agent_id, dict(hints or {})))
+
+    def end_session(self, session_id: str, *, now_s: float | None = None) -> None:
+        self.get_session(session_id)
+        del self._sessions[session_id]
+        self._emit(SessionEnded(session_id, self._now(now_s)))
+
+    def workflow_of(self, session_id: str) -> Workflow | None:
+        s = self._sessions.get(session_id)
+        return None if s is None else s.workflow

@@ -1,0 +1,123 @@
+"""Agent workflows as plans: a DAG of nodes (agent LLM calls and tool waits).
+
+A workflow is declared at session start (a ``workflow`` trace line, or
+``Planner.begin_session(..., workflow=...)``). Later calls name their node with ``node_id``;
+the planner marks that node done and recomputes each pending node's *steps to execution*.
+
+Invariants (tests cite them):
+  W1  node ids are unique; every dep names a node of the same workflow (else InvalidInput
+      naming the node and the dangling dep).
+  W2  the graph is acyclic (else InvalidInput naming a node on the cycle).
+  W3  steps(n) = 0 when every dep of n is done, else 1 + max(steps(d)) over the pending deps d;
+      a done node has no steps. An agent's steps are the minimum over its pending nodes and
+      ``inf`` when it has none left (its blocks are the first candidates for eviction).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping
+
+from kvdb.errors import InvalidInput
+
+KINDS = ("llm", "tool")
+
+
+@dataclass(frozen=True)
+class Node:
+    id: str
+    agent_id: str | None
+    deps: tuple[str, ...] = ()
+    kind: str = "llm"  # "llm" (an agent LLM call) or "tool" (a tool wait)
+    expected_duration_s: float | None = None  # tools: how long the wait is expected to last
+
+
+@dataclass
+class Workflow:
+    """A validated DAG plus its execution state (which nodes are done)."""
+
+    session_id: str
+    nodes: dict[str, Node]
+    order: list[str]  # a topological order (deps first), fixed at validation
+    done: set[str] = field(default_factory=set)
+
+    @classmethod
+    def from_spec(cls, session_id: str, nodes: Iterable[Mapping[str, Any]], where: str = "workflow") -> "Workflow":
+        """Validate a declared DAG (``[{"id", "agent_id", "deps", ...}]``) -- W1, W2."""
+        if isinstance(nodes, (str, bytes)) or not isinstance(nodes, Iterable):
+            raise InvalidInput(f"{where}: 'nodes' must be a list of node objects")
+        by_id: dict[str, Node] = {}
+        for i, spec in enumerate(nodes):
+            if not isinstance(spec, Mapping) or "id" not in spec:
+                raise InvalidInput(f"{where}: node #{i} must be an object with an 'id'")
+            nid = str(spec["id"])
+            if nid in by_id:
+                raise InvalidInput(f"{where}: node {nid!r} is declared twice")
+            deps = spec.get("deps", []) or []
+            if isinstance(deps, (str, bytes)) or not isinstance(deps, Iterable):
+                raise InvalidInput(f"{where}: node {nid!r}: 'deps' must be a list of node ids")
+            kind = spec.get("kind", "llm")
+            if kind not in KINDS:
+                raise InvalidInput(f"{where}: node {nid!r}: kind {kind!r} is not one of {KINDS}")
+            dur = spec.get("expected_duration_s")
+            if dur is not None:
+                if not isinstance(dur, (int, float)) or isinstance(dur, bool) or not math.isfinite(dur) or dur < 0:
+                    raise InvalidInput(f"{where}: node {nid!r}: expected_duration_s must be a finite number >= 0, got {dur!r}")
+                dur = float(dur)
+            agent = spec.get("agent_id")
+            by_id[nid] = Node(nid, None if agent is None else str(agent), tuple(str(d) for d in deps), kind, dur)
+        for n in by_id.values():
+            for d in n.deps:
+                if d not in by_id:
+                    raise InvalidInput(f"{where}: node {n.id!r} depends on {d!r}, which is not a node of the workflow (dangling dep)")
+        order = _topological_order(by_id, where)
+        return cls(session_id, by_id, order)
+
+    def mark_done(self, node_id: str) -> None:
+        if node_id not in self.nodes:
+            raise InvalidInput(f"session {self.session_id!r}: node {node_id!r} is not in its workflow")
+        self.done.add(node_id)
+
+    def steps(self) -> dict[str, int]:
+        """Steps to execution of every pending node (W3)."""
+        out: dict[str, int] = {}
+        for nid in self.order:  # deps come first
+            if nid in self.done:
+                continue
+            pending = [out[d] for d in self.nodes[nid].deps if d not in self.done]
+            out[nid] = 1 + max(pending) if pending else 0
+        return out
+
+    def agent_steps(self) -> dict[str, float]:
+        """Min steps over each agent's pending nodes; agents with none pending get inf (W3)."""
+        best: dict[str, float] = {n.agent_id: math.inf for n in self.nodes.values() if n.agent_id is not None}
+        for nid, s in self.steps().items():
+            a = self.nodes[nid].agent_id
+            if a is not None and s < best[a]:
+                best[a] = s
+        return best
+
+
+def _topological_order(nodes: Mapping[str, Node], where: str) -> list[str]:
+    """Iterative DFS (no recursion limit on deep chains); raises on a cycle (W2)."""
+    state: dict[str, int] = {}  # 1 = on the stack, 2 = finished
+    order: list[str] = []
+    for root in nodes:  # insertion order keeps the result independent of hashing
+        if root in state:
+            continue
+        stack = [(root, iter(nodes[root].deps))]
+        state[root] = 1
+        while stack:
+            nid, it = stack[-1]
+            nxt = next(it, None)
+            if nxt is None:
+                stack.pop()
+                state[nid] = 2
+                order.append(nid)
+            elif state.get(nxt) == 1:
+                raise InvalidInput(f"{where}: the workflow has a cycle through node {nxt!r} (deps must form a DAG)")
+            elif nxt not in state:
+                state[nxt] = 1
+                stack.append((nxt, iter(nodes[nxt].deps)))
+    return order

@@ -1,0 +1,1 @@
+"""Trace readers, generators and replays; they drive the same policy objects as the engine."""
