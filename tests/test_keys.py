@@ -409,3 +409,19 @@ def test_normalize_keys_accepts_lists_tuples_and_arrays():
 def test_normalize_keys_rejects_wrong_lengths_and_types(keys, msg):
     with pytest.raises(InvalidInput, match=msg):
         normalize_keys(keys)
+
+
+# ---------------------------------------------------------------- kvdb bench keys
+
+
+def test_bench_keys_reports_its_figures_next_to_the_baseline():
+    from kvdb.bench.keys import bench_keys
+
+    res = bench_keys(prompt_tokens=100, block_tokens=16, repeats=1)
+    assert res["prompt_tokens"] == 100 and res["block_tokens"] == 16 and res["blocks"] == 6
+    for name in ("hashlib_blocks_per_s", "keys_blocks_per_s", "xxh3_keys_blocks_per_s"):
+        assert res[name] > 0
+    assert res["ratio"] == pytest.approx(res["keys_blocks_per_s"] / res["hashlib_blocks_per_s"], rel=0.01)
+    for bad in (dict(prompt_tokens=0), dict(block_tokens=-1), dict(prompt_tokens=8, block_tokens=16)):
+        with pytest.raises(InvalidInput):
+            bench_keys(**bad)
