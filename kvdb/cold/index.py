@@ -1,0 +1,129 @@
+"""The RocksDB index of the cold tier (PATH/index/), through rocksdict in raw mode.
+
+Layout of keys and values: kvdb/format/index_value.py. The index is rebuilt from the log on
+recovery, so RocksDB's own WAL is off (``disable_wal``): a crash may lose the newest index
+writes, never the log records they came from.
+
+Every open uses the very same ``Options(raw_mode=True)`` (DESIGN.md: opening a raw DB once with
+other options rewrites its config and can make it unopenable). No column families (their handles
+keep the DB lock after close). Values are small (48-byte entries): no blob files.
+
+Errors map to kvdb's: a held lock -> DbLockedError, "Corruption" -> CorruptionError, any other
+failure -> StorageIOError.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Iterator
+
+import rocksdict
+
+from kvdb.errors import CorruptionError, DbLockedError, StorageIOError
+from kvdb.format.index_value import (
+    BLOCK_PREFIX,
+    CHECKPOINT_KEY,
+    BlockEntry,
+    Checkpoint,
+    decode_checkpoint,
+    decode_entry,
+)
+
+
+def _options() -> rocksdict.Options:
+    opts = rocksdict.Options(raw_mode=True)
+    opts.create_if_missing(True)
+    return opts
+
+
+def map_error(e: Exception, what: str) -> Exception:
+    msg = str(e)
+    low = msg.lower()
+    if "lock" in low and ("resource temporarily unavailable" in low or "lock hold" in low or "no locks available" in low):
+        return DbLockedError(f"{what}: the index is open in another process or store ({msg})")
+    if "corruption" in low or "checksum" in low or "bad magic" in low or "truncated" in low or "no such file" in low or "does not exist" in low:
+        return CorruptionError(f"{what}: the RocksDB index is damaged ({msg}); run `kvdb verify`")
+    return StorageIOError(f"{what}: {msg}")
+
+
+class Index:
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._lock = threading.Lock()  # guards _db against use after close
+        try:
+            self._db = rocksdict.Rdict(path, _options())
+        except Exception as e:  # rocksdict raises plain Exception subclasses
+            raise map_error(e, f"opening the index at {path}") from None
+        wo = rocksdict.WriteOptions()
+        wo.disable_wal = True
+        self._db.set_write_options(wo)
+        self._closed = False
+
+    def get_entries(self, keys: list[bytes]) -> list[BlockEntry | None]:
+        try:
+            vals = self._db.get([BLOCK_PREFIX + k for k in keys])
+        except Exception as e:
+            raise map_error(e, "reading the index") from None
+        return [None if v is None else decode_entry(v) for v in vals]
+
+    def get(self, key: bytes) -> bytes | None:
+        try:
+            return self._db.get(key)
+        except Exception as e:
+            raise map_error(e, "reading the index") from None
+
+    def write(self, ops: list[tuple[bytes, bytes | None]]) -> None:
+        """Apply (key, value) puts and (key, None) deletes atomically, in order."""
+        if not ops:
+            return
+        wb = rocksdict.WriteBatch(raw_mode=True)
+        for k, v in ops:
+            if v is None:
+                wb.delete(k)
+            else:
+                wb.put(k, v)
+        try:
+            self._db.write(wb)
+        except Exception as e:
+            raise map_error(e, "writing the index") from None
+
+    def checkpoint(self) -> Checkpoint | None:
+        raw = self.get(CHECKPOINT_KEY)
+        return None if raw is None else decode_checkpoint(raw)
+
+    def items(self, prefix: bytes) -> Iterator[tuple[bytes, bytes]]:
+        """(key without the prefix, value) for every key starting with ``prefix``."""
+        it = self._db.iter()
+        try:
+            it.seek(prefix)
+            while it.valid():
+                k = it.key()
+                if not k.startswith(prefix):
+                    break
+                yield k[len(prefix):], it.value()
+                it.next()
+            it.status()
+        except Exception as e:
+            raise map_error(e, "scanning the index") from None
+        finally:
+            del it
+
+    def entries(self) -> Iterator[tuple[bytes, BlockEntry]]:
+        for k, v in self.items(BLOCK_PREFIX):
+            yield k, decode_entry(v)
+
+    def flush(self) -> None:
+        try:
+            self._db.flush(True)
+        except Exception as e:
+            raise map_error(e, "flushing the index") from None
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            try:
+                self._db.close()
+            except Exception as e:
+                raise map_error(e, "closing the index") from None

@@ -1,0 +1,745 @@
+"""ColdStore: the disk tier -- log segments (PATH/wal/) indexed by RocksDB (PATH/index/).
+
+The Db holds one ColdStore. It writes blocks evicted from the host tier (write-back, usually
+``durability="none"``) and blocks put with ``group``/``sync`` (write-through), and reads here on a
+miss in memory. Every method is thread-safe.
+
+How a put becomes durable and indexed
+    1. payloads are encoded (codec, seal) outside any lock;
+    2. under ``writer.lock``: the records are appended (lsn order), their index updates are
+       queued (``_queue``, lsn order) and published to readers in ``_pending`` and ``_live``;
+    3. ``none`` returns now; ``group`` joins a group fsync; ``sync`` fsyncs alone;
+    4. whoever finishes an fsync applies the queue's durable prefix to RocksDB in one batch
+       (``_apply``) and drops those keys from ``_pending``. A background flusher fsyncs
+       ``none`` writes within ``flush_interval_s`` and checkpoints every ``checkpoint_bytes``.
+
+Invariants
+    C1  RocksDB only ever holds index entries of fsynced records, applied in lsn order: any
+        state a crash leaves it in is the log's state at some durable lsn (its memtable is not
+        logged, so a crash rolls it back to an earlier such state, never forward).
+    C2  a checkpoint (segment, offset, applied_lsn) is written to RocksDB and flushed only after
+        every record before it is applied; recovery replays from there, so C1 plus replay
+        rebuilds exactly the durable log's state.
+    C3  a read returns a page only if its record's crc, type, lsn and key match the index
+        entry and its payload decodes (and authenticates) to exactly page_bytes; otherwise the
+        read is a miss, the row is zeroed and ``corruptions`` counts it.
+    C4  a segment file is deleted only after a flushed checkpoint lies beyond it and no live
+        entry points into it; readers holding its fd keep reading (POSIX unlink semantics).
+    C5  after any StorageIOError the store is failed: every call raises DbFailedError until it
+        is closed and opened again; nothing acknowledged before the error is lost (C1, C2).
+
+Locks (in the order they may nest)
+    ``_ckpt_lock``  one checkpoint or compaction at a time.
+    ``_apply_lock`` serialises applying the queue to RocksDB.
+    ``writer.lock`` appends, ``_queue`` order, ``_pending``, ``_live``, ``_seg_live``.
+    ``_fd_lock``    the read fd cache ``_fds``.
+    ``_stats_lock`` the counters.
+
+Eviction under ``disk_bytes``: live record bytes never exceed it; the oldest written blocks go
+first (a DELETE record is appended in the same batch), counted in ``evictions``. A batch bigger
+than the bound keeps only its last blocks. Dead bytes stay in their segments until a checkpoint
+finds a segment wholly dead (deleted at once) or ``compact`` copies the live rest out.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import threading
+from pathlib import Path
+
+import numpy as np
+
+from kvdb import native
+from kvdb.errors import CapacityError, CorruptionError, DbFailedError, InvalidInput, StorageIOError
+from kvdb.format import index_value as iv
+from kvdb.format.record import (
+    CODEC_NAMES,
+    FLAG_SEALED,
+    META_TYPES,
+    NO_POSITION,
+    PUT_FIXED,
+    PUT_FIXED_BYTES,
+    PUT_PAYLOAD_OFFSET,
+    RECORD_HEADER,
+    RECORD_HEADER_BYTES,
+    Codec,
+    RecordType,
+    check_record,
+    decode_delete,
+    decode_meta,
+    decode_put,
+    encode_checkpoint,
+    encode_delete,
+    encode_meta,
+    encode_put_fixed,
+    segment_name,
+)
+from kvdb.types import KEY_BYTES
+from kvdb.wal.fs import OsFs
+from kvdb.wal.recovery import list_segments, recover
+from kvdb.wal.writer import LogWriter
+from kvdb.cold.codec import Sealer, aad, decode_page, encode_page, read_key_file
+from kvdb.cold.index import Index
+
+DURABILITIES = ("none", "group", "sync")
+DEFAULT_SEGMENT_BYTES = 256 << 20
+DEFAULT_CHECKPOINT_BYTES = 512 << 20
+PERSISTED_COUNTERS = ("hits", "misses", "corruptions", "evictions", "puts", "deletes")
+
+
+class ColdStore:
+    """Open with ``ColdStore.open``; see the module doc."""
+
+    def __init__(self) -> None:  # use open()
+        self._closed = True
+
+    # ------------------------------------------------------------------ open / close
+
+    @classmethod
+    def open(cls, path, layout, *, disk_bytes: int | None = None, encryption_key_file: str | None = None,
+             codec: str = "raw", default_durability: str = "group", fs: OsFs | None = None,
+             segment_bytes: int = DEFAULT_SEGMENT_BYTES, checkpoint_bytes: int = DEFAULT_CHECKPOINT_BYTES,
+             flush_interval_s: float | None = 0.05) -> "ColdStore":
+        """Open (creating when missing) the cold tier under ``path``; runs recovery.
+
+        ``flush_interval_s=None`` turns the background flusher off (deterministic I/O for the
+        crash tests; ``none`` writes then become durable at the next group/sync/checkpoint)."""
+        self = cls()
+        if codec not in CODEC_NAMES:
+            raise InvalidInput(f"codec must be one of {sorted(CODEC_NAMES)}, got {codec!r}")
+        if default_durability not in DURABILITIES:
+            raise InvalidInput(f"durability must be one of {DURABILITIES}, got {default_durability!r}")
+        self.layout = layout
+        self.page_bytes = layout.page_bytes
+        self.itemsize = layout.itemsize
+        self._max_record_bytes = PUT_PAYLOAD_OFFSET + self.page_bytes + 64 + (self.page_bytes >> 6)
+        if disk_bytes is not None and disk_bytes < self._max_record_bytes:
+            raise CapacityError(f"disk_bytes={disk_bytes} cannot hold one {self.page_bytes}-byte page; "
+                                f"give at least {self._max_record_bytes}")
+        if segment_bytes < 4096:
+            raise InvalidInput(f"segment_bytes must be at least 4096, got {segment_bytes}")
+        self.path = Path(path)
+        self.wal_dir = str(self.path / "wal")
+        self.index_dir = str(self.path / "index")
+        self.disk_bytes = disk_bytes
+        self.codec = CODEC_NAMES[codec]
+        self.default_durability = default_durability
+        self.checkpoint_bytes = checkpoint_bytes
+        self._fs = fs if fs is not None else OsFs()
+        self._failed: BaseException | None = None
+        self._ckpt_lock = threading.Lock()
+        self._apply_lock = threading.Lock()
+        self._fd_lock = threading.Lock()
+        self._stats_lock = threading.Lock()
+        self._fds: dict[int, list] = {}  # segment -> [fd, pins, retired]
+        self._queue: collections.deque = collections.deque()  # (lsn, index key, value|None, block key|None)
+        self._pending: dict[bytes, tuple[int, iv.BlockEntry | None]] = {}
+        self._live: dict[bytes, tuple[int, int, int]] = {}  # key -> (lsn, record_bytes, segment)
+        self._seg_live: collections.Counter = collections.Counter()  # segment -> live record bytes
+        self._live_bytes = 0
+        self._counters = dict.fromkeys(PERSISTED_COUNTERS, 0)
+        self._counters.update(fsyncs=0, checkpoints=0, segments_deleted=0)
+        try:
+            self._fs.makedirs(self.wal_dir)
+            self._fs.makedirs(self.index_dir)
+        except OSError as e:
+            raise StorageIOError(f"cannot create {self.path}: {e}") from e
+        self._index = Index(self.index_dir)
+        try:
+            self._open_rest(encryption_key_file, segment_bytes)
+        except BaseException:
+            self._index.close()
+            raise
+        self._closed = False
+        self._stop = threading.Event()
+        self._flusher = None
+        if flush_interval_s is not None:
+            self._flusher = threading.Thread(target=self._flush_loop, args=(flush_interval_s,),
+                                             name=f"kvdb-cold-flusher:{self.path.name}", daemon=True)
+            self._flusher.start()
+        return self
+
+    def _open_rest(self, encryption_key_file: str | None, segment_bytes: int) -> None:
+        seal_check = self._index.get(iv.SEAL_KEY)
+        self._sealer = Sealer(read_key_file(encryption_key_file)) if encryption_key_file else None
+        if seal_check is not None and self._sealer is None:
+            raise InvalidInput(f"{self.path} is encrypted: open it with encryption_key_file=")
+        if seal_check is not None and not self._sealer.matches(seal_check):
+            raise InvalidInput(f"the encryption key does not match the one {self.path} was created with")
+        raw_stats = self._index.get(iv.STATS_KEY)
+        if raw_stats is not None:
+            saved = iv.decode_stats(raw_stats)
+            for k in PERSISTED_COUNTERS:
+                self._counters[k] = int(saved.get(k, 0))
+        ck = self._index.get(iv.CHECKPOINT_KEY)
+        checkpoint = None if ck is None else iv.decode_checkpoint(ck)
+        batch: list = []
+
+        def apply(segment_no, rec) -> None:
+            batch.extend(self._index_ops(segment_no, rec.offset, rec.rtype, rec.lsn, rec.crc, rec.body))
+            if len(batch) >= 4096:
+                self._index.write(batch)
+                batch.clear()
+
+        try:
+            self.recovery = recover(self._fs, self.wal_dir, checkpoint, apply)
+        except OSError as e:
+            raise StorageIOError(f"recovery of {self.wal_dir} failed: {e}") from e
+        self._index.write(batch)
+        if self._sealer is not None and seal_check is None:
+            if self.recovery.records_replayed or next(self._index.entries(), None) is not None:
+                raise InvalidInput(f"{self.path} was created without encryption; it cannot be opened with a key")
+            self._index.write([(iv.SEAL_KEY, self._sealer.key_check())])
+        self._writer = LogWriter(self._fs, self.wal_dir, segment_no=self.recovery.segment_no,
+                                 offset=self.recovery.offset, next_lsn=self.recovery.next_lsn,
+                                 segment_bytes=segment_bytes, on_durable=self._apply)
+        self._ckpt_lsn = checkpoint.applied_lsn if checkpoint else 0
+        self._ckpt_log_bytes = 0  # log bytes appended since the last checkpoint
+        entries = sorted(self._index.entries(), key=lambda kv: kv[1].lsn)
+        for key, e in entries:
+            self._live[key] = (e.lsn, e.record_bytes, e.segment_no)
+            self._seg_live[e.segment_no] += e.record_bytes
+            self._live_bytes += e.record_bytes
+        if self.recovery.records_replayed or self.recovery.torn_bytes:
+            self._checkpoint_locked_free()
+
+    @staticmethod
+    def _index_ops(segment_no: int, offset: int, rtype: int, lsn: int, crc: int, body) -> list:
+        """The index writes one log record stands for (replay and the live path share this)."""
+        if rtype == RecordType.PUT_BLOCK:
+            p = decode_put(body)
+            e = iv.BlockEntry(segment_no, offset, RECORD_HEADER_BYTES + len(body), crc, lsn, p.position,
+                              p.namespace_id, p.codec, p.flags, p.raw_bytes)
+            return [(iv.block_key(p.key), iv.encode_entry(e))]
+        if rtype == RecordType.DELETE:
+            return [(iv.block_key(k), None) for k in decode_delete(body)]
+        if rtype in META_TYPES:
+            name, value = decode_meta(body)
+            return [(iv.record_meta_key(rtype, name), value if value else None)]
+        return []
+
+    def close(self) -> None:
+        """Checkpoint (unless failed) and release everything. Idempotent."""
+        if self._closed:
+            return
+        self._stop_flusher()
+        try:
+            if self._failed is None:
+                self.checkpoint()
+        finally:
+            self._release()
+
+    def debug_crash_close(self) -> None:
+        """Tests: let go of everything without a checkpoint, as a killed process would."""
+        if self._closed:
+            return
+        self._stop_flusher()
+        self._failed = self._failed or DbFailedError("crashed")
+        self._release()
+
+    def _stop_flusher(self) -> None:
+        self._stop.set()
+        if self._flusher is not None and self._flusher is not threading.current_thread():
+            self._flusher.join()
+
+    def _release(self) -> None:
+        self._closed = True
+        try:
+            self._writer.close()
+        except BaseException:
+            pass
+        with self._fd_lock:
+            for fd, _pins, _retired in self._fds.values():
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+            self._fds.clear()
+        self._index.close()
+
+    def __enter__(self) -> "ColdStore":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ state
+
+    def _check(self) -> None:
+        if self._closed:
+            raise InvalidInput(f"the cold store at {self.path} is closed")
+        if self._failed is not None:
+            raise DbFailedError(f"the cold store at {self.path} failed earlier ({self._failed}); "
+                                "close it and open it again") from None
+
+    def _fail(self, exc: BaseException) -> None:
+        if self._failed is None:
+            self._failed = exc
+        self._writer.fail(exc)
+
+    @property
+    def failed(self) -> bool:
+        return self._failed is not None
+
+    def _count(self, **deltas: int) -> None:
+        with self._stats_lock:
+            for k, v in deltas.items():
+                self._counters[k] += v
+
+    # ------------------------------------------------------------------ writes
+
+    def _validate_keys(self, keys) -> list[bytes]:
+        out = []
+        for k in keys:
+            if not isinstance(k, (bytes, bytearray)) or len(k) != KEY_BYTES:
+                raise InvalidInput(f"block keys must be {KEY_BYTES} bytes, got {k!r:.60}")
+            out.append(bytes(k))
+        return out
+
+    def put(self, keys, pages: np.ndarray, positions=None, durability: str | None = None,
+            namespace_id: int = 0) -> None:
+        """Store pages (uint8 [n, page_bytes], C-contiguous, CPU) under keys; returns when they
+        are as durable as ``durability`` asks ("none" | "group" | "sync")."""
+        self._check()
+        durability = durability or self.default_durability
+        if durability not in DURABILITIES:
+            raise InvalidInput(f"durability must be one of {DURABILITIES}, got {durability!r}")
+        keys = self._validate_keys(keys)
+        if not isinstance(pages, np.ndarray) or pages.dtype != np.uint8 or pages.ndim != 2 \
+                or pages.shape[1] != self.page_bytes or not pages.flags.c_contiguous:
+            raise InvalidInput(f"pages must be a C-contiguous uint8 numpy array [n, {self.page_bytes}], "
+                               f"got {getattr(pages, 'dtype', type(pages))} {getattr(pages, 'shape', '')}")
+        if len(keys) != pages.shape[0]:
+            raise InvalidInput(f"{len(keys)} keys for {pages.shape[0]} pages")
+        if positions is not None and len(positions) != len(keys):
+            raise InvalidInput(f"{len(positions)} positions for {len(keys)} keys")
+        if len(set(keys)) != len(keys):
+            raise InvalidInput("a put batch names the same key twice")
+        if not keys:
+            return
+        items = []
+        for i, key in enumerate(keys):
+            pos = NO_POSITION if positions is None or positions[i] is None else int(positions[i])
+            used, payload = encode_page(pages[i], self.codec, self.itemsize)
+            flags = 0
+            if self._sealer is not None:
+                payload = self._sealer.seal(payload, aad(key, namespace_id, pos, used))
+                flags |= FLAG_SEALED
+            fixed = encode_put_fixed(key, namespace_id, pos, used, flags, self.page_bytes)
+            items.append((key, fixed, payload))
+        last = self._append_puts(items)
+        self._make_durable(last, durability)
+
+    def _append_puts(self, items: list) -> int:
+        w = self._writer
+        with w.lock:
+            self._check()
+            evict: list[bytes] = []
+            if self.disk_bytes is not None:
+                items, evict = self._plan_evictions(items)
+            records = []
+            if evict:
+                records.append((RecordType.DELETE, [encode_delete(evict)]))
+            records.extend((RecordType.PUT_BLOCK, [fixed, payload]) for _k, fixed, payload in items)
+            try:
+                locs = w.append(records)
+            except StorageIOError as e:
+                self._fail(e)
+                raise
+            if evict:
+                self._note_delete(locs[0].lsn, evict)
+                locs = locs[1:]
+            for (key, fixed, _payload), loc in zip(items, locs):
+                _, ns, pos, codec, flags, _, raw = PUT_FIXED.unpack(fixed)
+                e = iv.BlockEntry(loc.segment_no, loc.offset, loc.record_bytes, loc.crc, loc.lsn, pos, ns,
+                                  codec, flags, raw)
+                self._queue.append((loc.lsn, iv.block_key(key), iv.encode_entry(e), key))
+                self._pending[key] = (loc.lsn, e)
+                self._set_live(key, loc.lsn, loc.record_bytes, loc.segment_no)
+            self._ckpt_log_bytes += sum(loc.record_bytes for loc in locs)
+            self._count(puts=len(items), evictions=len(evict))
+            return w.next_lsn - 1
+
+    def _plan_evictions(self, items: list) -> tuple[list, list[bytes]]:
+        """Caller holds writer.lock. Keeps live bytes <= disk_bytes: evicts oldest live blocks,
+        and drops the batch's own first blocks when the batch alone is too big."""
+        sizes = [RECORD_HEADER_BYTES + len(f) + memoryview(p).nbytes for _k, f, p in items]
+        keep_from, total = len(items), 0
+        while keep_from > 0 and total + sizes[keep_from - 1] <= self.disk_bytes:
+            keep_from -= 1
+            total += sizes[keep_from]
+        dropped = keep_from
+        items = items[keep_from:]
+        batch_keys = {k for k, _f, _p in items}
+        need = self._live_bytes + total - sum(self._live[k][1] for k in batch_keys if k in self._live)
+        evict = []
+        if need > self.disk_bytes:
+            for key, (_lsn, rbytes, _seg) in self._live.items():
+                if key in batch_keys:
+                    continue
+                evict.append(key)
+                need -= rbytes
+                if need <= self.disk_bytes:
+                    break
+        if dropped:
+            self._count(evictions=dropped)
+        return items, evict
+
+    def _set_live(self, key: bytes, lsn: int, record_bytes: int, segment_no: int) -> None:
+        old = self._live.pop(key, None)
+        if old is not None:
+            self._seg_live[old[2]] -= old[1]
+            self._live_bytes -= old[1]
+        if record_bytes:
+            self._live[key] = (lsn, record_bytes, segment_no)
+            self._seg_live[segment_no] += record_bytes
+            self._live_bytes += record_bytes
+
+    def _note_delete(self, lsn: int, keys: list[bytes]) -> None:
+        for key in keys:
+            self._queue.append((lsn, iv.block_key(key), None, key))
+            self._pending[key] = (lsn, None)
+            self._set_live(key, lsn, 0, 0)
+
+    def delete(self, keys, durability: str | None = None) -> int:
+        """Delete blocks (absent keys are ignored); returns how many were live."""
+        self._check()
+        durability = durability or self.default_durability
+        if durability not in DURABILITIES:
+            raise InvalidInput(f"durability must be one of {DURABILITIES}, got {durability!r}")
+        keys = self._validate_keys(keys)
+        w = self._writer
+        with w.lock:
+            self._check()
+            live = [k for k in dict.fromkeys(keys) if k in self._live]
+            if not live:
+                return 0
+            try:
+                (loc,) = w.append([(RecordType.DELETE, [encode_delete(live)])])
+            except StorageIOError as e:
+                self._fail(e)
+                raise
+            self._note_delete(loc.lsn, live)
+            self._ckpt_log_bytes += loc.record_bytes
+            self._count(deletes=len(live))
+        self._make_durable(loc.lsn, durability)
+        return len(live)
+
+    def put_metadata(self, kind: str, name: bytes, value: bytes, durability: str | None = None) -> None:
+        """Log a SESSION / TTL / LEASE record (``kind`` "session" | "ttl" | "lease"); an empty
+        value removes the entry. The planner gives them meaning; here they are stored durably."""
+        self._check()
+        rtype = {"session": RecordType.SESSION, "ttl": RecordType.TTL, "lease": RecordType.LEASE}.get(kind)
+        if rtype is None:
+            raise InvalidInput(f"metadata kind must be session, ttl or lease, got {kind!r}")
+        w = self._writer
+        with w.lock:
+            self._check()
+            try:
+                (loc,) = w.append([(rtype, [encode_meta(bytes(name), bytes(value))])])
+            except StorageIOError as e:
+                self._fail(e)
+                raise
+            self._queue.append((loc.lsn, iv.record_meta_key(rtype, bytes(name)), bytes(value) or None, None))
+            self._ckpt_log_bytes += loc.record_bytes
+        self._make_durable(loc.lsn, durability or self.default_durability)
+
+    def find_metadata(self, kind: str, name: bytes) -> bytes | None:
+        """The durable value of a metadata entry, None when absent (or not yet fsynced)."""
+        self._check()
+        rtype = {"session": RecordType.SESSION, "ttl": RecordType.TTL, "lease": RecordType.LEASE}.get(kind)
+        if rtype is None:
+            raise InvalidInput(f"metadata kind must be session, ttl or lease, got {kind!r}")
+        return self._index.get(iv.record_meta_key(rtype, bytes(name)))
+
+    def _make_durable(self, lsn: int, durability: str) -> None:
+        if durability == "none":
+            return
+        try:
+            self._writer.sync_to(lsn, own=(durability == "sync"))
+        except StorageIOError as e:
+            self._fail(e)
+            raise
+        except BaseException as e:
+            self._fail(e)
+            raise
+
+    def _apply(self, lsn: int) -> None:
+        """Write the durable prefix of the queue (lsn <= ``lsn``) to RocksDB (C1)."""
+        with self._apply_lock:
+            ops, done = [], []
+            q = self._queue
+            while q and q[0][0] <= lsn:
+                op_lsn, ikey, value, key = q.popleft()
+                ops.append((ikey, value))
+                if key is not None:
+                    done.append((key, op_lsn))
+            try:
+                self._index.write(ops)
+            except Exception as e:
+                self._fail(e)
+                raise
+            with self._writer.lock:
+                for key, op_lsn in done:
+                    p = self._pending.get(key)
+                    if p is not None and p[0] == op_lsn:
+                        del self._pending[key]
+
+    def flush(self) -> None:
+        """Make every write so far durable (and indexed)."""
+        self._check()
+        with self._writer.lock:
+            last = self._writer.next_lsn - 1
+        self._make_durable(last, "group")
+        self._apply(last)
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def checkpoint(self) -> None:
+        """Everything so far durable, indexed and flushed; replay will start after it (C2).
+        Also deletes segments that hold no live block any more (C4)."""
+        self._check()
+        with self._ckpt_lock:
+            self._checkpoint_locked_free()
+
+    def _checkpoint_locked_free(self) -> None:
+        w = self._writer
+        with w.lock:
+            seg, off, last = w.segment_no, w.offset, w.next_lsn - 1
+        try:
+            w.sync_to(last)
+            self._apply(last)
+            with self._stats_lock:
+                saved = {k: self._counters[k] for k in PERSISTED_COUNTERS}
+            self._index.write([(iv.CHECKPOINT_KEY, iv.encode_checkpoint(iv.Checkpoint(seg, off, last))),
+                               (iv.STATS_KEY, iv.encode_stats(saved))])
+            self._index.flush()
+            with w.lock:
+                w.append([(RecordType.CHECKPOINT, [encode_checkpoint(last)])])
+                self._ckpt_log_bytes = 0
+            self._ckpt_lsn = last
+            self._count(checkpoints=1)
+            self._drop_dead_segments(seg)
+        except StorageIOError as e:
+            self._fail(e)
+            raise
+        except OSError as e:
+            err = StorageIOError(f"checkpoint of {self.path} failed: {e}")
+            self._fail(err)
+            raise err from e
+
+    def _drop_dead_segments(self, before: int) -> list[int]:
+        with self._writer.lock:
+            dead = [s for s in list_segments(self._fs, self.wal_dir)
+                    if s < before and self._seg_live.get(s, 0) <= 0]
+            for s in dead:
+                self._seg_live.pop(s, None)
+        for s in dead:
+            self._retire_fd(s)
+            self._fs.unlink(os.path.join(self.wal_dir, segment_name(s)))
+        if dead:
+            self._fs.sync_dir(self.wal_dir)
+            self._count(segments_deleted=len(dead))
+        return dead
+
+    def _flush_loop(self, interval_s: float) -> None:
+        while not self._stop.wait(interval_s):
+            if self._failed is not None or self._closed:
+                return
+            try:
+                w = self._writer
+                if w.next_lsn - 1 > w.durable_lsn or self._queue:
+                    self.flush()
+                if self._ckpt_log_bytes >= self.checkpoint_bytes:
+                    self.checkpoint()
+            except BaseException as e:  # the store is failed now; callers see DbFailedError
+                if self._failed is None:
+                    self._fail(e)
+                return
+
+    # ------------------------------------------------------------------ reads
+
+    def contains(self, keys) -> list[bool]:
+        self._check()
+        live = self._live
+        return [bytes(k) in live for k in keys]
+
+    def _lookup(self, keys: list[bytes]) -> list[iv.BlockEntry | None]:
+        out: list = [None] * len(keys)
+        missing = []
+        for i, k in enumerate(keys):
+            p = self._pending.get(k)
+            if p is not None:
+                out[i] = p[1]
+            elif k in self._live:
+                missing.append(i)
+        if missing:
+            got = self._index.get_entries([keys[i] for i in missing])
+            for i, e in zip(missing, got):
+                out[i] = e
+        return out
+
+    def _pin_fd(self, segment_no: int) -> int | None:
+        with self._fd_lock:
+            ent = self._fds.get(segment_no)
+            if ent is None:
+                try:
+                    fd = self._fs.open_read(os.path.join(self.wal_dir, segment_name(segment_no)))
+                except FileNotFoundError:
+                    return None
+                ent = self._fds[segment_no] = [fd, 0, False]
+            ent[1] += 1
+            return ent[0]
+
+    def _unpin_fd(self, segment_no: int, fd: int) -> None:
+        with self._fd_lock:
+            ent = self._fds.get(segment_no)
+            if ent is not None and ent[0] == fd:
+                ent[1] -= 1
+                if ent[2] and ent[1] == 0:
+                    del self._fds[segment_no]
+                    os.close(fd)
+
+    def _retire_fd(self, segment_no: int) -> None:
+        with self._fd_lock:
+            ent = self._fds.get(segment_no)
+            if ent is None:
+                return
+            if ent[1] == 0:
+                del self._fds[segment_no]
+                os.close(ent[0])
+            else:
+                ent[2] = True
+
+    def get_into(self, keys, out: np.ndarray) -> list[bool]:
+        """Read pages into ``out`` rows (uint8 [>= n, page_bytes]). False = miss: absent, or
+        damaged (C3: counted in ``corruptions``, the row zeroed, never wrong bytes)."""
+        self._check()
+        keys = self._validate_keys(keys)
+        if not isinstance(out, np.ndarray) or out.dtype != np.uint8 or out.ndim != 2 \
+                or out.shape[1] != self.page_bytes or out.shape[0] < len(keys) or not out.flags.c_contiguous:
+            raise InvalidInput(f"out must be a C-contiguous uint8 numpy array [>= {len(keys)}, {self.page_bytes}]")
+        found = [False] * len(keys)
+        entries = self._lookup(keys)
+        hits = misses = bad = 0
+        for i, (key, e) in enumerate(zip(keys, entries)):
+            if e is None:
+                misses += 1
+                continue
+            ok = self._read_entry(key, e, out[i])
+            if ok is None:  # moved by compaction between lookup and read: look again once
+                (e2,) = self._lookup([key])
+                ok = "absent" if e2 is None else bool(self._read_entry(key, e2, out[i]))
+            if ok is True:
+                found[i] = True
+                hits += 1
+            else:
+                out[i] = 0
+                misses += 1
+                bad += ok is False
+        self._count(hits=hits, misses=misses, corruptions=bad)
+        return found
+
+    def _read_entry(self, key: bytes, e: iv.BlockEntry, row: np.ndarray):
+        """True: row holds the page. False: damaged. None: the segment is gone (retry)."""
+        fd = self._pin_fd(e.segment_no)
+        if fd is None:
+            return None if e.segment_no in self._seg_live else False
+        try:
+            if e.codec == Codec.RAW and not (e.flags & FLAG_SEALED) \
+                    and e.record_bytes == PUT_PAYLOAD_OFFSET + self.page_bytes:
+                return self._read_raw(fd, key, e, row)
+            return self._read_decoded(fd, key, e, row)
+        except OSError as err:
+            # a read error is a miss, not a reason to fail the store; verify will report it
+            self._read_error = str(err)
+            return False
+        finally:
+            self._unpin_fd(e.segment_no, fd)
+
+    def _read_raw(self, fd: int, key: bytes, e: iv.BlockEntry, row: np.ndarray) -> bool:
+        head = bytearray(PUT_PAYLOAD_OFFSET)
+        n = self._fs.preadv(fd, [head, row], e.offset)  # straight into the caller's row
+        if n != e.record_bytes:
+            return False
+        length, crc, rtype, lsn = RECORD_HEADER.unpack_from(head, 0)
+        if (length + RECORD_HEADER_BYTES != e.record_bytes or crc != e.crc or rtype != RecordType.PUT_BLOCK
+                or lsn != e.lsn or head[RECORD_HEADER_BYTES:RECORD_HEADER_BYTES + KEY_BYTES] != key):
+            return False
+        return native.crc32c(row, native.crc32c(memoryview(head)[8:])) == crc
+
+    def _read_decoded(self, fd: int, key: bytes, e: iv.BlockEntry, row: np.ndarray) -> bool:
+        buf = self._fs.pread(fd, e.record_bytes, e.offset)
+        status, rec = check_record(buf, 0)
+        if status != "ok" or rec.crc != e.crc or rec.lsn != e.lsn or rec.rtype != RecordType.PUT_BLOCK \
+                or rec.record_bytes != e.record_bytes:
+            return False
+        try:
+            p = decode_put(rec.body)
+            if p.key != key or p.raw_bytes != self.page_bytes:
+                return False
+            payload = p.payload
+            if p.flags & FLAG_SEALED:
+                if self._sealer is None:
+                    return False
+                payload = self._sealer.open(payload, aad(key, p.namespace_id, p.position, p.codec))
+            decode_page(payload, p.codec, self.itemsize, row)
+        except CorruptionError:
+            return False
+        return True
+
+    def read_record(self, segment_no: int, offset: int, nbytes: int) -> bytes | None:
+        """Raw bytes of one record (compaction, verify); None when the segment is gone."""
+        fd = self._pin_fd(segment_no)
+        if fd is None:
+            return None
+        try:
+            return self._fs.pread(fd, nbytes, offset)
+        finally:
+            self._unpin_fd(segment_no, fd)
+
+    # ------------------------------------------------------------------ reporting
+
+    def stats(self) -> dict:
+        self._check()
+        with self._writer.lock:
+            segs = list_segments(self._fs, self.wal_dir)
+            log_bytes = 0
+            for s in segs:
+                try:
+                    log_bytes += self._fs.file_bytes(os.path.join(self.wal_dir, segment_name(s)))
+                except FileNotFoundError:
+                    pass
+            out = {
+                "pages": len(self._live),
+                "bytes": self._live_bytes,
+                "disk_bytes": self.disk_bytes,
+                "log_bytes": log_bytes,
+                "segments": len(segs),
+                "next_lsn": self._writer.next_lsn,
+                "durable_lsn": self._writer.durable_lsn,
+                "checkpoint_lsn": self._ckpt_lsn,
+                "codec": Codec(self.codec).name.lower(),
+                "encrypted": self._sealer is not None,
+            }
+        with self._stats_lock:
+            out.update(self._counters)
+        out["fsyncs"] = self._writer.num_fsyncs
+        r = self.recovery
+        out["recovery"] = {"records_replayed": r.records_replayed, "bytes_replayed": r.bytes_replayed,
+                           "torn_bytes": r.torn_bytes, "damage": len(r.damage)}
+        return out
+
+    def compact(self, progress=None) -> dict:
+        from kvdb.cold.compact import compact
+
+        return compact(self, progress)
+
+    def verify(self, progress=None):
+        from kvdb.cold.verify import verify
+
+        return verify(self, progress)
+
+
+__all__ = ["ColdStore", "DURABILITIES", "PUT_FIXED_BYTES"]

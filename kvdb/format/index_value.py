@@ -1,0 +1,125 @@
+"""Keys and values of the cold tier's RocksDB index (PATH/index/). Encoded and decoded only here.
+
+The index is a cache of the log (DESIGN.md "Durability"): the log is the source of truth, the
+index holds where each live block's record is, plus a little store-wide metadata. RocksDB runs
+in raw mode (bytes keys and values) with its own WAL off. All integers little-endian.
+
+Index keys (the first byte says the kind)
+    b"B" + block key (16 bytes)          -> BlockEntry (48 bytes, below)
+    b"M" + name (ASCII)                  -> store metadata:
+        b"Mcheckpoint"   Checkpoint (20 bytes, below)
+        b"Mstats"        JSON object of counters (hits, misses, corruptions, evictions, ...)
+        b"Mseal"         AES-GCM key check: nonce 12 | sealed b"kvdb-key-check" (+16 tag)
+    b"m" + record type u8 + name         -> value of a SESSION / TTL / LEASE metadata record
+
+BlockEntry (48 bytes)
+    off  size  field
+      0     4  segment_no     u32
+      4     8  offset         u64, of the record header in the segment
+     12     4  record_bytes   u32, header + body
+     16     4  crc32c         u32, the record's crc (its header bytes 4..8)
+     20     8  lsn            u64
+     28     8  position       i64, -1 = none
+     36     4  namespace_id   u32
+     40     1  codec          u8 (kvdb.format.record.Codec)
+     41     1  flags          u8 (bit 0: sealed)
+     42     2  reserved       u16, 0
+     44     4  raw_bytes      u32, decoded page bytes
+
+Checkpoint (20 bytes)
+      0     4  segment_no     u32  \\ replay of the log starts at this record boundary
+      4     8  offset         u64  /
+     12     8  applied_lsn    u64, every record with lsn <= applied_lsn is reflected here
+
+Worked example: the PUT_BLOCK of kvdb/format/record.py's example stored at segment 1, offset
+32, with crc 0x11223344 encodes to (tests/golden/index_entry.bin):
+
+    01 00 00 00 | 20 00 00 00 00 00 00 00 | 39 00 00 00 | 44 33 22 11 |
+    05 00 00 00 00 00 00 00 | 03 00 00 00 00 00 00 00 | 07 00 00 00 | 00 | 00 | 00 00 |
+    04 00 00 00
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+
+from kvdb.errors import CorruptionError
+
+BLOCK_PREFIX = b"B"
+META_PREFIX = b"M"
+RECORD_META_PREFIX = b"m"
+
+CHECKPOINT_KEY = b"Mcheckpoint"
+STATS_KEY = b"Mstats"
+SEAL_KEY = b"Mseal"
+
+_ENTRY = struct.Struct("<IQIIQqIBBHI")
+ENTRY_BYTES = 48
+_CHECKPOINT = struct.Struct("<IQQ")
+
+
+@dataclass(frozen=True)
+class BlockEntry:
+    segment_no: int
+    offset: int
+    record_bytes: int
+    crc: int
+    lsn: int
+    position: int
+    namespace_id: int
+    codec: int
+    flags: int
+    raw_bytes: int
+
+
+def block_key(key: bytes) -> bytes:
+    return BLOCK_PREFIX + key
+
+
+def encode_entry(e: BlockEntry) -> bytes:
+    return _ENTRY.pack(e.segment_no, e.offset, e.record_bytes, e.crc, e.lsn, e.position,
+                       e.namespace_id, e.codec, e.flags, 0, e.raw_bytes)
+
+
+def decode_entry(buf: bytes) -> BlockEntry:
+    if len(buf) != ENTRY_BYTES:
+        raise CorruptionError(f"index entry is {len(buf)} bytes, expected {ENTRY_BYTES}")
+    seg, off, rb, crc, lsn, pos, ns, codec, flags, _, raw = _ENTRY.unpack(buf)
+    return BlockEntry(seg, off, rb, crc, lsn, pos, ns, codec, flags, raw)
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    segment_no: int
+    offset: int
+    applied_lsn: int
+
+
+def encode_checkpoint(c: Checkpoint) -> bytes:
+    return _CHECKPOINT.pack(c.segment_no, c.offset, c.applied_lsn)
+
+
+def decode_checkpoint(buf: bytes) -> Checkpoint:
+    if len(buf) != _CHECKPOINT.size:
+        raise CorruptionError(f"index checkpoint is {len(buf)} bytes, expected {_CHECKPOINT.size}")
+    return Checkpoint(*_CHECKPOINT.unpack(buf))
+
+
+def record_meta_key(rtype: int, name: bytes) -> bytes:
+    return RECORD_META_PREFIX + bytes([rtype]) + name
+
+
+def encode_stats(counters: dict) -> bytes:
+    return json.dumps(counters, sort_keys=True, separators=(",", ":")).encode("utf-8")
+
+
+def decode_stats(buf: bytes) -> dict:
+    try:
+        d = json.loads(buf.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CorruptionError(f"index stats record is not JSON: {e}") from None
+    if not isinstance(d, dict):
+        raise CorruptionError("index stats record is not a JSON object")
+    return d

@@ -1,0 +1,1 @@
+"""The write-ahead log: segments, writer with group commit, reader, recovery."""
