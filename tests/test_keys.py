@@ -129,7 +129,7 @@ print(json.dumps(out, sort_keys=True))
 
 def test_keys_identical_across_processes_and_hash_seeds():
     procs = []
-    for seed in ("0", "1", "4242"):
+    for seed in ("0", "4242"):  # this process, with its random seed, is the third
         env = dict(os.environ, PYTHONHASHSEED=seed)
         procs.append(subprocess.Popen([sys.executable, "-c", _SUBPROCESS_SCRIPT], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
@@ -138,7 +138,7 @@ def test_keys_identical_across_processes_and_hash_seeds():
         stdout, stderr = p.communicate(timeout=60)
         assert p.returncode == 0, stderr
         outs.append(json.loads(stdout))
-    assert outs[0] == outs[1] == outs[2]
+    assert outs[0] == outs[1]
     assert len(outs[0]) == 18
     # and this process (random hash seed) computes the very same keys
     ks = make_space(model_revision="r1")
