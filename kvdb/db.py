@@ -38,6 +38,7 @@ import hmac
 import os
 import secrets
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -136,6 +137,7 @@ class Db:
         disk_bytes: int | None = None,
         codec: str = "raw",
         encryption_key_file: str | os.PathLike | None = None,
+        device_free_fraction: float = 0.0,
     ) -> None:
         self.path = Path(path)
         self._state = "opening"
@@ -152,7 +154,7 @@ class Db:
             self._open(
                 layout, model_id, host_bytes, device_bytes, device, replacer, key_secret, key_algo,
                 dict(model_revision=model_revision, tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size),
-                durability, disk_bytes, codec, encryption_key_file,
+                durability, disk_bytes, codec, encryption_key_file, device_free_fraction,
             )
         except BaseException:
             self._drop_lock()
@@ -198,7 +200,9 @@ class Db:
             return secret
 
     def _open(self, layout, model_id, host_bytes, device_bytes, device, replacer, key_secret, key_algo,
-              ns_extra, durability, disk_bytes, codec, encryption_key_file) -> None:
+              ns_extra, durability, disk_bytes, codec, encryption_key_file, device_free_fraction) -> None:
+        if not 0.0 <= device_free_fraction < 1.0:
+            raise InvalidInput(f"device_free_fraction must be in [0, 1), got {device_free_fraction!r}")
         manifest = read_manifest(self.path)
         secret = self._load_secret(key_secret)
         if manifest is None:
@@ -247,6 +251,10 @@ class Db:
         self._lookup_misses = 0
         self._reads = [0, 0, 0]  # device, host, disk
         self._disk_hits = 0
+        # the background mover: one thread, so moves apply in submission order
+        self._mover = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvdb-mover")
+        self._room_pending = False
+        self._device_free_target = max(1, int(device_frames * device_free_fraction)) if device_frames else 0
         self._cold = None
         if disk_bytes != 0:
             self._cold = self._open_cold(disk_bytes, codec, encryption_key_file)
@@ -276,6 +284,9 @@ class Db:
 
     def close(self) -> None:
         """Write back dirty pages (when the disk tier is on), close the cold tier, drop the lock."""
+        mover = getattr(self, "_mover", None)
+        if mover is not None:
+            mover.shutdown(wait=True)
         with self._lock:
             if self._state == "closed":
                 return
@@ -420,6 +431,7 @@ class Db:
             if fkeys:
                 dirty = self._cold is not None and not written
                 self.pool.insert(fkeys, fpages, fpos, dirty=dirty, ctx=AccessContext(positions=fpos))
+                self._maybe_make_room()
         return len(fkeys)
 
     def _spill(self, keys: list, pages: torch.Tensor, positions: list, dirty: list) -> None:
@@ -596,15 +608,53 @@ class Db:
             for t, f in handles:
                 self.pool.unpin(t, f)
 
-    def prefetch(self, keys) -> int:
-        """Bring keys into the fastest tier ahead of use (disk -> host -> device). Returns pages moved up."""
+    def prefetch(self, keys, *, wait: bool = True):
+        """Bring keys into the fastest tier ahead of use (disk -> host -> device), in one batch
+        on the background mover. Returns pages moved up, or a Future of it with wait=False."""
         self._check()
         keys = normalize_keys(keys)
+        fut = self._mover.submit(self._prefetch_now, keys)
+        return fut.result() if wait else fut
+
+    def _prefetch_now(self, keys: list[bytes]) -> int:
         with self._lock:
+            self._check()
             absent = [k for k in keys if k not in self.pool.table]
             loaded, _ = self._load_from_disk(absent)
-            moved = self.pool.promote([k for k in keys if k in self.pool.table])
-        return moved + len(loaded)
+            return self.pool.promote([k for k in keys if k in self.pool.table]) + len(loaded)
+
+    def offload(self, keys, *, to: str = "host", wait: bool = True):
+        """Move keys down a tier ahead of need, in one batch on the background mover: to="host"
+        demotes device pages; to="disk" writes dirty pages back and frees their memory (needs
+        the disk tier). Pinned pages stay. Returns pages moved, or a Future with wait=False."""
+        self._check()
+        if to not in ("host", "disk"):
+            raise InvalidInput(f"offload to must be 'host' or 'disk', got {to!r}")
+        if to == "disk" and self._cold is None:
+            raise InvalidInput("offload to='disk' needs the disk tier (open with disk_bytes != 0)")
+        keys = normalize_keys(keys)
+        fut = self._mover.submit(self._offload_now, keys, HOST if to == "host" else None)
+        return fut.result() if wait else fut
+
+    def _offload_now(self, keys: list[bytes], to_tier: int | None) -> int:
+        with self._lock:
+            self._check()
+            return self.pool.offload(keys, to_tier)
+
+    def _maybe_make_room(self) -> None:
+        """After a put: keep the device tier's free frames at its watermark, in the background,
+        so the next put into the device tier does not wait for a demotion. Called under _lock."""
+        dev = self.pool.tiers[DEVICE]
+        if dev is None or self._room_pending or len(dev.free) >= self._device_free_target:
+            return
+        self._room_pending = True
+        self._mover.submit(self._make_room_now)
+
+    def _make_room_now(self) -> None:
+        with self._lock:
+            self._room_pending = False
+            if self._state == "open":
+                self.pool.make_room(DEVICE, self._device_free_target)
 
     # ------------------------------------------------------------------ stats
 

@@ -269,3 +269,44 @@ def test_blocks_from_bf16_and_arrays_of_keys(tmp_path):
         out = torch.empty_like(b)
         db.get_blocks(keys, out=out)
         assert torch.equal(out.view(torch.int16), b.view(torch.int16))
+
+
+def test_offload_and_async_prefetch(tmp_path):
+    # Scenario: 3 pages on a 4-page device tier; offload two to host in the background, then
+    # prefetch one back without waiting; bytes survive both moves.
+    with open_db(tmp_path, host_pages=4, device_pages=4, device="cpu") as db:
+        keys = db.block_keys(list(range(12)))
+        b = blocks_for(3)
+        db.put_blocks(keys, b)
+        fut = db.offload(keys[1:], to="host", wait=False)
+        assert fut.result() == 2
+        with db.pin(keys) as p:
+            assert p.tiers == ["device", "host", "host"]
+        st = db.stats()["tiers"]
+        assert (st["device"]["pages"], st["host"]["pages"], st["device"]["evictions"]) == (1, 2, 0)
+        assert db.prefetch(keys[2:], wait=False).result() == 1
+        with db.pin(keys) as p:
+            assert p.tiers == ["device", "host", "device"]
+        out = torch.empty_like(b)
+        db.get_blocks(keys, out=out)
+        assert torch.equal(out, b)
+        with pytest.raises(InvalidInput, match="disk tier"):
+            db.offload(keys, to="disk")
+        with pytest.raises(InvalidInput, match="'host' or 'disk'"):
+            db.offload(keys, to="gpu")
+
+
+def test_device_watermark_demotes_in_background(tmp_path):
+    # Scenario: 4 device pages with a 50 % free target; after filling 4 pages the mover demotes
+    # the 2 least recent to the host tier so later puts find free device frames.
+    with open_db(tmp_path, host_pages=4, device_pages=4, device="cpu", device_free_fraction=0.5) as db:
+        keys = db.block_keys(list(range(16)))
+        b = blocks_for(4)
+        for i in range(4):
+            db.put_blocks(keys[i : i + 1], b[i : i + 1])
+        db.prefetch([], wait=True)  # a barrier: the mover runs jobs in order
+        with db.pin(keys) as p:
+            assert p.tiers == ["host", "host", "device", "device"]
+        out = torch.empty_like(b)
+        db.get_blocks(keys, out=out)
+        assert torch.equal(out, b)

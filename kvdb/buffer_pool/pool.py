@@ -38,8 +38,9 @@ from kvdb.errors import InvalidInput
 DEVICE, HOST = 0, 1
 TIER_NAMES = ("device", "host")
 
-SpillFn = Callable[[list, torch.Tensor, list, list], None]
-"""spill(keys, pages uint8 [n, page_bytes], positions, dirty) for pages leaving memory."""
+SpillFn = Callable[[list, "torch.Tensor | None", list, list], None]
+"""spill(keys, pages uint8 [n, page_bytes] on the CPU or None when no page is dirty, positions,
+dirty) for pages leaving memory."""
 
 
 @dataclass
@@ -119,7 +120,7 @@ class BufferPool:
 
     # ------------------------------------------------------------ frames
 
-    def _reserve(self, tier: Tier, k: int, protect: set[int] | None = None) -> list[int]:
+    def _reserve(self, tier: Tier, k: int) -> list[int]:
         """Up to k free frames of ``tier`` (ascending), evicting victims when needed."""
         take = min(k, len(tier.free))
         frames = [tier.free.pop() for _ in range(take)]
@@ -162,13 +163,18 @@ class BufferPool:
                     tier.keys[f] = None
                 host.replacer.record_access(dest, [host.keys[d] for d in dest])
                 tier.stats.demotions += moved
-        rest = victims[moved:]
-        if rest:
-            keys = [tier.keys[f] for f in rest]
-            idx = torch.as_tensor(rest, dtype=torch.long, device=tier.arena.device)
-            pages = tier.arena.data.index_select(0, idx).cpu()
-            self._spill(keys, pages, [tier.positions[f] for f in rest], [tier.dirty[f] for f in rest])
-            self._release(tier, rest)
+        if moved < len(victims):
+            self._spill_frames(tier, victims[moved:])
+
+    def _spill_frames(self, tier: Tier, frames: list[int]) -> None:
+        keys = [tier.keys[f] for f in frames]
+        dirty = [tier.dirty[f] for f in frames]
+        pages = None  # clean pages are on disk already (or the Db is a pure cache): no copy
+        if any(dirty):
+            pages = torch.empty((len(frames), self.page_bytes), dtype=torch.uint8)
+            tier.arena.read(frames, pages)
+        self._spill(keys, pages, [tier.positions[f] for f in frames], dirty)
+        self._release(tier, frames)
 
     # ------------------------------------------------------------ insert
 
@@ -216,8 +222,8 @@ class BufferPool:
         host: Tier = self.tiers[HOST]  # type: ignore[assignment]
         if dev is None:
             return 0
-        src = [self.table[k] >> 1 for k in keys if self.table.get(k, 0) & 1 == HOST and k in self.table]
-        src = [f for f in src if host.pins[f] == 0]
+        codes = [self.table.get(k) for k in keys]
+        src = [c >> 1 for c in codes if c is not None and c & 1 == HOST and host.pins[c >> 1] == 0]
         if not src:
             return 0
         for f in src:  # keep them from being chosen as victims while we make room
@@ -243,6 +249,49 @@ class BufferPool:
         dev.replacer.record_access(dest, [dev.keys[d] for d in dest], ctx)
         dev.stats.promotions += len(dest)
         return len(dest)
+
+    def offload(self, keys: Sequence[bytes], to_tier: int | None) -> int:
+        """Move resident, unpinned keys down: device -> host (to_tier=HOST) or out of memory
+        through the spill callback (to_tier=None). Returns pages moved."""
+        by_tier: list[list[int]] = [[], []]
+        for k in keys:
+            code = self.table.get(k)
+            if code is None:
+                continue
+            t = self.tiers[code & 1]
+            if t.pins[code >> 1] == 0 and not (to_tier == HOST and t.index == HOST):
+                by_tier[code & 1].append(code >> 1)
+        moved = 0
+        for t, frames in zip(self.tiers, by_tier):
+            if t is None or not frames:
+                continue
+            for f in frames:
+                t.replacer.remove(f)
+            if t.index == DEVICE and to_tier == HOST:
+                self._evict(t, frames)  # demotes what fits in the host tier, spills the rest
+                t.stats.evictions -= len(frames)  # a planned move, not a capacity eviction
+            else:
+                self._spill_frames(t, frames)
+            t.free.extend(frames)
+            moved += len(frames)
+        return moved
+
+    def make_room(self, tier_index: int, free_frames: int) -> int:
+        """Evict (demote / spill) until ``tier`` has ``free_frames`` free frames. Returns evicted."""
+        tier = self.tiers[tier_index]
+        if tier is None:
+            return 0
+        need = free_frames - len(tier.free)
+        victims: list[int] = []
+        while len(victims) < need:
+            v = tier.replacer.evict()
+            if v is None:
+                break
+            victims.append(v)
+        if victims:
+            self._evict(tier, victims)
+            tier.free.extend(sorted(victims, reverse=True))
+        return len(victims)
 
     # ------------------------------------------------------------ access, pins, delete
 
