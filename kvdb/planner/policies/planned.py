@@ -82,7 +82,7 @@ class PlannedReplacer(Replacer):
                         if self._state[g] != ABSENT and not self._planned[g]]
             heapq.heapify(self._gd)
 
-    def _plan(self, f: int, t_next: float, deadline: float) -> None:
+    def _set_plan(self, f: int, t_next: float, deadline: float) -> None:
         if self._planned[f] and self._t_next[f] >= self._now and self._deadline[f] > self._now:
             t_next = min(t_next, self._t_next[f])  # another session still awaits it
             deadline = max(deadline, self._deadline[f])
@@ -161,11 +161,9 @@ class PlannedReplacer(Replacer):
             self._leaf[f] = leaf
             self._h[f] = L + (0 if leaf else min(n, VALUE_CAP) * prio)
             self._own(f, sid)
-            if plan is not None and not leaf:
-                self._plan(f, plan[0], plan[1])
-            elif self._planned[f] and self._deadline[f] > now:
-                pass  # still awaited by the session that planned it
-            else:
+            if plan is not None and not leaf and not self._shared[f]:
+                self._set_plan(f, plan[0], plan[1])
+            else:  # an access fulfils the plan (or there was none)
                 if self._planned[f]:
                     self._planned[f] = 0
                     self._pver[f] += 1
@@ -178,12 +176,12 @@ class PlannedReplacer(Replacer):
             plan = self._plan_for(event.hints, self._now)
             prio = event.hints.get("priority")
             for f in sorted(self._session_frames.get(event.session_id, ())):
-                if self._state[f] == ABSENT or self._leaf[f]:
+                if self._state[f] == ABSENT or self._leaf[f] or self._shared[f]:
                     continue
                 if prio is not None:
                     self._h[f] = self._L + min(self._hits[f], VALUE_CAP) * (1 + prio)
                 if plan is not None:
-                    self._plan(f, plan[0], plan[1])
+                    self._set_plan(f, plan[0], plan[1])
                 elif not self._planned[f]:
                     self._push_gd(f)
         elif isinstance(event, SessionEnded):
