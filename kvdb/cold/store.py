@@ -85,7 +85,7 @@ from kvdb.cold.index import Index
 DURABILITIES = ("none", "group", "sync")
 DEFAULT_SEGMENT_BYTES = 256 << 20
 DEFAULT_CHECKPOINT_BYTES = 512 << 20
-PERSISTED_COUNTERS = ("hits", "misses", "corruptions", "evictions", "puts", "deletes")
+PERSISTED_COUNTERS = ("hits", "misses", "corruptions", "evictions", "puts", "deletes", "segments_deleted")
 
 
 class ColdStore:
@@ -117,8 +117,8 @@ class ColdStore:
         if disk_bytes is not None and disk_bytes < self._max_record_bytes:
             raise CapacityError(f"disk_bytes={disk_bytes} cannot hold one {self.page_bytes}-byte page; "
                                 f"give at least {self._max_record_bytes}")
-        if segment_bytes < 4096:
-            raise InvalidInput(f"segment_bytes must be at least 4096, got {segment_bytes}")
+        if segment_bytes < 512:
+            raise InvalidInput(f"segment_bytes must be at least 512, got {segment_bytes}")
         self.path = Path(path)
         self.wal_dir = str(self.path / "wal")
         self.index_dir = str(self.path / "index")
@@ -128,6 +128,7 @@ class ColdStore:
         self.checkpoint_bytes = checkpoint_bytes
         self._fs = fs if fs is not None else OsFs()
         self._failed: BaseException | None = None
+        self.debug_on_index_flush = None  # tests: called after each checkpoint's index flush
         self._ckpt_lock = threading.Lock()
         self._apply_lock = threading.Lock()
         self._fd_lock = threading.Lock()
@@ -139,7 +140,7 @@ class ColdStore:
         self._seg_live: collections.Counter = collections.Counter()  # segment -> live record bytes
         self._live_bytes = 0
         self._counters = dict.fromkeys(PERSISTED_COUNTERS, 0)
-        self._counters.update(fsyncs=0, checkpoints=0, segments_deleted=0)
+        self._counters.update(checkpoints=0)
         try:
             self._fs.makedirs(self.wal_dir)
             self._fs.makedirs(self.index_dir)
@@ -515,6 +516,8 @@ class ColdStore:
             self._index.write([(iv.CHECKPOINT_KEY, iv.encode_checkpoint(iv.Checkpoint(seg, off, last))),
                                (iv.STATS_KEY, iv.encode_stats(saved))])
             self._index.flush()
+            if self.debug_on_index_flush is not None:
+                self.debug_on_index_flush(self)
             with w.lock:
                 w.append([(RecordType.CHECKPOINT, [encode_checkpoint(last)])])
                 self._ckpt_log_bytes = 0
