@@ -48,7 +48,7 @@ Worked example: PUT_BLOCK of a 4-byte raw page b"\\x01\\x02\\x03\\x04", key 00..
 namespace 7, position 3, lsn 5 (57 bytes; tests/golden/record_put.bin holds exactly these):
 
     28 00 00 00   length = 40 (36 fixed body bytes + 4 payload bytes)
-    xx xx xx xx   crc32c of the 49 bytes from offset 8 on
+    94 04 b1 4d   crc32c of the 49 bytes from offset 8 on (0x4db10494)
     01            type PUT_BLOCK
     05 00 00 00 00 00 00 00   lsn 5
     00 01 02 ... 0f           key
