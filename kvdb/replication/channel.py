@@ -242,6 +242,11 @@ def connect(addr: str, secret: bytes | None, *, node: str = "", timeout_s: float
     except OSError as e:
         raise ReplicationError(f"cannot connect to {addr}: {e}") from None
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return client_handshake(sock, addr, secret, node=node)
+
+
+def client_handshake(sock: socket.socket, addr: str, secret: bytes, *, node: str = "") -> Channel:
+    """Client side of the handshake on a connected socket (see the module doc)."""
     ch = Channel(sock, addr)
     nc = os.urandom(NONCE_BYTES)
     ch.send(MsgType.HELLO, {"version": PROTOCOL_VERSION, "node": node, "nonce": nc.hex()})
@@ -253,8 +258,9 @@ def connect(addr: str, secret: bytes | None, *, node: str = "", timeout_s: float
         ch.close()
         raise ReplicationError(f"{addr} sent a malformed CHALLENGE") from None
     if len(ns) != NONCE_BYTES or not hmac.compare_digest(proof_s, _mac(secret, b"kvdb-server", nc, ns)):
-        ch.close()
-        raise AuthError(f"{addr} failed authentication: it does not hold this node's shared secret")
+        ch.send_error(ErrorCode.AUTH, "the server's proof does not match this client's secret")
+        raise AuthError(f"authentication with {addr} failed: the two nodes hold different shared secrets "
+                        "(check the secret file on both)")
     ch.send(MsgType.RESPONSE, {"proof": _mac(secret, b"kvdb-client", nc, ns).hex()})
     ch._switch_keys(_mac(secret, b"kvdb-c2s", nc, ns), _mac(secret, b"kvdb-s2c", nc, ns))
     welcome = ch.expect(MsgType.WELCOME)
@@ -266,7 +272,8 @@ def connect(addr: str, secret: bytes | None, *, node: str = "", timeout_s: float
 def accept(sock: socket.socket, peer: str, secret: bytes, welcome: dict, *, timeout_s: float = 30.0) -> Channel:
     """Server side of the handshake on an accepted socket; raises AuthError for a wrong proof."""
     sock.settimeout(timeout_s)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if sock.family != socket.AF_UNIX:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     ch = Channel(sock, peer)
     hello = ch.expect(MsgType.HELLO)
     if hello.meta.get("version") != PROTOCOL_VERSION:

@@ -187,7 +187,7 @@ class NodeServer:
         elif t == MsgType.SHIP_HELLO:
             if self.sink is None:
                 raise _Refuse(ErrorCode.INVALID, f"node {self.node} is not configured as a follower")
-            self.sink.serve_stream(ch, msg, region_opener=lambda n: self._open_region_raw(n))
+            self.sink.serve_stream(ch, msg, self.transport, self.region_max_bytes)
         else:
             raise _Refuse(ErrorCode.PROTOCOL, f"unexpected message {t.name}")
         return region

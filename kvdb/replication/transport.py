@@ -197,7 +197,7 @@ class MooncakeTransport(Transport):
             self._registered.clear()
 
 
-_shared: dict[tuple[str, str], Transport] = {}
+_shared: dict[tuple[str, str, int], Transport] = {}
 _shared_lock = threading.Lock()
 
 
@@ -212,11 +212,17 @@ def transport_kind(requested: str | None = None) -> str:
 
 
 def get_transport(kind: str | None = None, local_host: str = "127.0.0.1") -> Transport:
-    """The process's shared transport of ``kind`` bound to ``local_host`` (created once)."""
+    """The process's shared transport of ``kind`` bound to ``local_host`` in the calling
+    thread's network namespace (created once)."""
     kind = transport_kind(kind)
+    # one engine per network namespace: an engine listens only in the namespace it started in
+    try:
+        netns = os.stat("/proc/thread-self/ns/net").st_ino
+    except OSError:
+        netns = 0
     with _shared_lock:
-        t = _shared.get((kind, local_host))
+        t = _shared.get((kind, local_host, netns))
         if t is None:
             t = MooncakeTransport(local_host) if kind == "mooncake" else TcpTransport()
-            _shared[(kind, local_host)] = t
+            _shared[(kind, local_host, netns)] = t
         return t

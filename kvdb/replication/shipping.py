@@ -1,0 +1,582 @@
+"""Log shipping: a leader streams its log to followers, which apply it idempotently.
+
+Records travel verbatim (the exact bytes of kvdb/format/record.py: header, crc32c, body), so
+the follower checks every record's own crc before applying it, whatever carried it.
+
+Stream on one authenticated channel (leader connects to each follower)::
+
+    leader                                         follower (NodeServer with a LogSink)
+      SHIP_HELLO {leader, last_lsn, page_bytes, region_bytes}  ->
+                                                   <- SHIP_POSITION {applied_lsn, region?}
+      SHIP_RECORDS {first_lsn, last_lsn, bytes, inline|offset} [+ records]  ->
+      SHIP_RECORDS ...  (at most two batches in flight; with the Transfer Engine the records
+                         land in the follower's region halves, like a push)
+                                                   <- SHIP_ACK {applied_lsn}   (durable there)
+
+Leader follower-thread states::
+
+    connecting --handshake + SHIP_POSITION--> streaming --error / drop--> disconnected
+        ^                                                                      |
+        └----------------------------- backoff (0.1 s .. 2 s) -----------------┘
+    AuthError -> auth_failed (retried with the longest backoff);
+    follower behind the oldest retained record -> needs_reseed (stops retrying).
+
+Invariants:
+  S1. A follower acknowledges lsn L only after every record <= L is applied with the Db's
+      strongest durability and L is persisted as its applied position (``applied_lsn`` file).
+  S2. Applying is idempotent: a record <= applied_lsn is skipped; re-applying a PUT of a stored
+      key or a DELETE of an absent key changes nothing, so a follower that crashed between
+      applying and persisting its position converges when the leader re-sends.
+  S3. The leader ships only records its log made durable (``LogSource.durable_lsn``): a follower
+      never holds a record the leader could lose in a crash.
+  S4. Replication slots: the leader persists each follower's confirmed lsn (``slots.json``) and
+      ``retained_lsn(state_dir)`` is the lowest one: compaction must keep every record above it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import struct
+import threading
+import time
+from collections import deque
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from kvdb.errors import AuthError, CorruptionError, KvdbError, ReplicationError
+from kvdb.format.record import (
+    FLAG_SEALED,
+    RECORD_HEADER_BYTES,
+    RecordType,
+    check_record,
+    decode_delete,
+    decode_put,
+)
+from kvdb.replication.channel import Channel, connect
+from kvdb.replication.protocol import ErrorCode, Message, MsgType
+from kvdb.replication.transport import Region, Transport, get_transport
+
+log = logging.getLogger("kvdb.replication")
+
+DEFAULT_BATCH_BYTES = 32 << 20
+APPLIED_NAME = "applied_lsn"
+SLOTS_NAME = "slots.json"
+
+
+# ---------------------------------------------------------------- state files
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    dfd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+
+
+def read_slots(state_dir) -> dict[str, int]:
+    p = Path(state_dir) / SLOTS_NAME
+    try:
+        return {str(k): int(v) for k, v in json.loads(p.read_text()).items()}
+    except FileNotFoundError:
+        return {}
+    except (ValueError, AttributeError) as e:
+        raise CorruptionError(f"replication slots file {p} is damaged ({e}); delete it to re-seed followers") from None
+
+
+def retained_lsn(state_dir) -> int | None:
+    """The lowest lsn a follower has confirmed (S4): keep every record above it; None: no slots."""
+    slots = read_slots(state_dir)
+    return min(slots.values()) if slots else None
+
+
+# ---------------------------------------------------------------- leader side: the log
+
+
+class LogSource(Protocol):
+    """What the leader reads its log through (the Db's log, or a segment directory)."""
+
+    def durable_lsn(self) -> int:
+        """The highest lsn made durable (0 when empty)."""
+
+    def first_lsn(self) -> int:
+        """The oldest lsn still readable (1 when nothing was compacted away)."""
+
+    def read_records(self, after_lsn: int, max_bytes: int, upto_lsn: int) -> list[tuple[int, memoryview]]:
+        """Consecutive encoded records with after_lsn < lsn <= upto_lsn, at least one if any,
+        about max_bytes in all."""
+
+
+class SegmentLogSource:
+    """Reads a log directory of segment files (kvdb/format/record.py) with kvdb.wal.reader.
+
+    ``durable`` is a callable returning the writer's durable lsn (S3); without it, everything
+    readable counts as durable (a log that is not being written, or one just recovered).
+    """
+
+    def __init__(self, wal_dir, durable=None) -> None:
+        self.wal_dir = str(wal_dir)
+        self._durable = durable
+        self._lock = threading.Lock()  # guards _cursor
+        # (segment_no, byte offset after the last record read, next lsn) of the last read
+        self._cursor: tuple[int, int, int] | None = None
+
+    def _segments(self) -> list[int]:
+        from kvdb.format.record import parse_segment_name
+
+        try:
+            names = os.listdir(self.wal_dir)
+        except FileNotFoundError:
+            return []
+        return sorted(n for n in (parse_segment_name(x) for x in names) if n is not None)
+
+    def _scan(self, seg: int, start=None, expect=None):
+        from kvdb.format.record import segment_name
+        from kvdb.wal.reader import scan_segment
+
+        return scan_segment(os.path.join(self.wal_dir, segment_name(seg)), seg, start=start, expect_lsn=expect)
+
+    def durable_lsn(self) -> int:
+        if self._durable is not None:
+            return int(self._durable())
+        segs = self._segments()
+        for seg in reversed(segs):
+            scan = self._scan(seg)
+            if scan.last_lsn is not None:
+                return scan.last_lsn
+        return 0
+
+    def first_lsn(self) -> int:
+        for seg in self._segments():
+            scan = self._scan(seg)
+            if scan.first_lsn is not None:
+                return scan.first_lsn
+        return self.durable_lsn() + 1
+
+    def read_records(self, after_lsn: int, max_bytes: int, upto_lsn: int) -> list[tuple[int, memoryview]]:
+        out: list[tuple[int, memoryview]] = []
+        total = 0
+        with self._lock:
+            cur = self._cursor
+        segs = self._segments()
+        start_seg, start_off = None, None
+        if cur is not None and cur[2] == after_lsn + 1 and cur[0] in segs:
+            start_seg, start_off = cur[0], cur[1]
+        for seg in segs:
+            if start_seg is not None and seg < start_seg:
+                continue
+            scan = self._scan(seg, start=start_off if seg == start_seg else None,
+                              expect=after_lsn + 1 if seg == start_seg else None)
+            end = scan.end
+            for rec in scan.records:
+                if rec.lsn <= after_lsn:
+                    continue
+                if rec.lsn > upto_lsn or (out and total + rec.record_bytes > max_bytes):
+                    self._remember(seg, rec.offset, rec.lsn)
+                    return out
+                if rec.lsn != after_lsn + 1 + len(out):
+                    raise CorruptionError(f"log {self.wal_dir} has lsn {rec.lsn} where "
+                                          f"{after_lsn + 1 + len(out)} was expected (records missing)")
+                buf = _record_bytes(rec)
+                out.append((rec.lsn, buf))
+                total += rec.record_bytes
+            if out:
+                self._remember(seg, end, out[-1][0] + 1)
+        return out
+
+    def _remember(self, seg: int, offset: int, next_lsn: int) -> None:
+        with self._lock:
+            self._cursor = (seg, offset, next_lsn)
+
+
+def _record_bytes(rec) -> memoryview:
+    """A copy of the exact on-disk bytes of a record that ``check_record`` returned."""
+    src = getattr(rec.body, "obj", None)
+    if src is not None:
+        return memoryview(bytes(memoryview(src)[rec.offset : rec.offset + rec.record_bytes]))
+    head = struct.pack("<IIBQ", len(rec.body), rec.crc, rec.rtype, rec.lsn)
+    return memoryview(head + bytes(rec.body))
+
+
+# ---------------------------------------------------------------- leader side: shipping
+
+
+class _Follower:
+    __slots__ = ("addr", "state", "confirmed_lsn", "sent_lsn", "error", "thread", "connects")
+
+    def __init__(self, addr: str, confirmed: int) -> None:
+        self.addr = addr
+        self.state = "connecting"
+        self.confirmed_lsn = confirmed
+        self.sent_lsn = confirmed
+        self.error: str | None = None
+        self.thread: threading.Thread | None = None
+        self.connects = 0
+
+
+class LogShipper:
+    """Streams ``source`` to each address in ``replicas`` (one thread each); see the module doc."""
+
+    def __init__(self, source: LogSource, replicas, secret: bytes, *, state_dir=None, node: str = "",
+                 transport: Transport | str | None = None, batch_bytes: int = DEFAULT_BATCH_BYTES,
+                 page_bytes: int | None = None) -> None:
+        self.source = source
+        self.secret = secret
+        self.node = node
+        self.state_dir = Path(state_dir) if state_dir is not None else None
+        self._transport_arg = transport
+        self.batch_bytes = int(batch_bytes)
+        self.page_bytes = page_bytes
+        self._cond = threading.Condition()  # guards every _Follower field and _stopping
+        self._stopping = False
+        slots = read_slots(self.state_dir) if self.state_dir is not None else {}
+        self.followers = [_Follower(a, slots.get(a, 0)) for a in replicas]
+        self._slots_saved_at = 0.0
+
+    # -- lifecycle
+
+    def start(self) -> "LogShipper":
+        for f in self.followers:
+            f.thread = threading.Thread(target=self._run, args=(f,), name=f"kvdb-ship-{f.addr}", daemon=True)
+            f.thread.start()
+        return self
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        for f in self.followers:
+            if f.thread is not None:
+                f.thread.join(10)
+        self._save_slots(force=True)
+
+    def notify(self) -> None:
+        """New records were made durable: wake the streams (they also poll)."""
+        with self._cond:
+            self._cond.notify_all()
+
+    def sync(self, timeout_s: float) -> int:
+        """Wait until every follower confirmed everything durable now; returns that lsn."""
+        target = self.source.durable_lsn()
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while True:
+                lagging = [f for f in self.followers if f.confirmed_lsn < target]
+                if not lagging:
+                    return target
+                left = deadline - time.monotonic()
+                if left <= 0 or self._stopping:
+                    desc = ", ".join(f"{f.addr} at {f.confirmed_lsn} ({f.state}{': ' + f.error if f.error else ''})"
+                                     for f in lagging)
+                    raise ReplicationError(f"followers have not confirmed lsn {target} within {timeout_s} s: {desc}")
+                self._cond.wait(min(left, 0.1))
+
+    def status(self) -> list[dict]:
+        last = self.source.durable_lsn()
+        with self._cond:
+            return [{"addr": f.addr, "state": f.state, "confirmed_lsn": f.confirmed_lsn,
+                     "lag_records": max(0, last - f.confirmed_lsn), "error": f.error, "connects": f.connects}
+                    for f in self.followers]
+
+    def _save_slots(self, force: bool = False) -> None:
+        if self.state_dir is None:
+            return
+        now = time.monotonic()
+        if not force and now - self._slots_saved_at < 0.5:
+            return
+        self._slots_saved_at = now
+        with self._cond:
+            slots = {f.addr: f.confirmed_lsn for f in self.followers}
+        _write_atomic(self.state_dir / SLOTS_NAME, json.dumps(slots, sort_keys=True).encode())
+
+    # -- one follower
+
+    def _set(self, f: _Follower, **kw) -> None:
+        with self._cond:
+            for k, v in kw.items():
+                setattr(f, k, v)
+            self._cond.notify_all()
+
+    def _run(self, f: _Follower) -> None:
+        backoff = 0.1
+        while not self._stopping:
+            try:
+                self._stream(f)
+            except AuthError as e:
+                self._set(f, state="auth_failed", error=str(e))
+                backoff = 2.0
+            except _Reseed as e:
+                self._set(f, state="needs_reseed", error=str(e))
+                log.error("%s", e)
+                return
+            except (ReplicationError, OSError, KvdbError) as e:
+                self._set(f, state="disconnected", error=str(e))
+                log.info("log stream to %s: %s", f.addr, e)
+            with self._cond:
+                if not self._stopping:
+                    self._cond.wait(backoff)
+            backoff = min(2.0, backoff * 2)
+        self._set(f, state="stopped")
+
+    def _stream(self, f: _Follower) -> None:
+        self._set(f, state="connecting")
+        ch = connect(f.addr, self.secret, node=self.node, timeout_s=30)
+        try:
+            transport = (self._transport_arg if isinstance(self._transport_arg, Transport)
+                         else get_transport(self._transport_arg, local_host=ch.sock.getsockname()[0]))
+            engine = transport.can_write_to(ch.peer_meta.get("transport"))
+            ch.send(MsgType.SHIP_HELLO, {"leader": self.node, "durable_lsn": self.source.durable_lsn(),
+                                         "page_bytes": self.page_bytes,
+                                         "region_bytes": 2 * self.batch_bytes if engine else 0})
+            pos = ch.expect(MsgType.SHIP_POSITION).meta
+            applied = int(pos.get("applied_lsn", 0))
+            region = pos.get("region") if engine else None
+            if engine and not region:
+                engine = False
+            first, last = self.source.first_lsn(), self.source.durable_lsn()
+            if applied > last:
+                raise _Reseed(f"follower {f.addr} has applied lsn {applied} but this leader's log ends at {last}: "
+                              "the follower holds another history; re-seed it from a copy of the leader")
+            if applied + 1 < first:
+                raise _Reseed(f"follower {f.addr} needs records after lsn {applied} but the leader's log starts "
+                              f"at {first}; re-seed it from a copy of the leader")
+            self._set(f, state="streaming", confirmed_lsn=applied, sent_lsn=applied, error=None,
+                      connects=f.connects + 1)
+            self._save_slots(force=True)
+            send_buf = None
+            if engine:
+                half = int(region["bytes"]) // 2
+                send_buf = torch.empty(2 * half, dtype=torch.uint8)
+                transport.register(send_buf)
+            try:
+                self._pump(f, ch, transport, region, send_buf)
+            finally:
+                if send_buf is not None:
+                    transport.unregister(send_buf)
+        finally:
+            ch.close()
+
+    def _pump(self, f: _Follower, ch: Channel, transport: Transport, region: dict | None, send_buf) -> None:
+        in_flight: deque[int] = deque()
+        half = int(region["bytes"]) // 2 if region else self.batch_bytes
+        batch_no = 0
+        while True:
+            with self._cond:
+                if self._stopping:
+                    return
+            sent = f.sent_lsn
+            upto = self.source.durable_lsn()
+            recs = []
+            if len(in_flight) < 2 and upto > sent:
+                recs = self.source.read_records(sent, min(self.batch_bytes, half), upto)
+            if recs:
+                self._send_batch(ch, transport, region, send_buf, half, batch_no, recs)
+                batch_no += 1
+                self._set(f, sent_lsn=recs[-1][0])
+                in_flight.append(recs[-1][0])
+                continue
+            if in_flight:
+                ack = ch.expect(MsgType.SHIP_ACK)
+                want = in_flight.popleft()
+                got = int(ack.meta.get("applied_lsn", -1))
+                if got != want:
+                    raise ReplicationError(f"follower {f.addr} acknowledged lsn {got}, expected {want}")
+                self._set(f, confirmed_lsn=got)
+                self._save_slots()
+                continue
+            with self._cond:
+                if not self._stopping:
+                    self._cond.wait(0.05)
+
+    def _send_batch(self, ch, transport, region, send_buf, half, batch_no, recs) -> None:
+        total = sum(b.nbytes for _, b in recs)
+        meta = {"first_lsn": recs[0][0], "last_lsn": recs[-1][0], "bytes": total, "count": len(recs)}
+        if region is None or total > half:
+            meta["inline"] = True
+            ch.send(MsgType.SHIP_RECORDS, meta, [b for _, b in recs])
+            return
+        off = (batch_no % 2) * half
+        dst = send_buf.numpy()
+        pos = off
+        for _, b in recs:
+            dst[pos : pos + b.nbytes] = np.frombuffer(b, dtype=np.uint8)
+            pos += b.nbytes
+        transport.write(region["transport"], [(send_buf.data_ptr() + off, total)], [int(region["addr"]) + off])
+        meta.update(inline=False, offset=off)
+        ch.send(MsgType.SHIP_RECORDS, meta)
+
+
+class _Reseed(ReplicationError):
+    pass
+
+
+# ---------------------------------------------------------------- follower side
+
+
+class LogSink:
+    """Applies shipped records to a Db (S1, S2); ``serve_stream`` runs on a NodeServer connection.
+
+    Applies PUT_BLOCK (raw or zstd-planes payloads; sealed payloads need the cold tier's key and
+    are refused) and DELETE through the Db's public API; metadata and CHECKPOINT records are
+    counted and skipped until the Db exposes an API for them.
+    """
+
+    def __init__(self, db, state_dir, *, durable: bool) -> None:
+        self.db = db
+        self.state_dir = Path(state_dir)
+        self.durable = durable  # False: a memory-only follower; its position is not persisted
+        self._lock = threading.Lock()  # one stream applies at a time; guards the counters
+        self._applied = self._load_applied() if durable else 0
+        self.counters = {"records": 0, "puts": 0, "deletes": 0, "duplicates": 0, "skipped": 0, "batches": 0}
+        self.leader: str | None = None
+
+    @classmethod
+    def for_db(cls, db) -> "LogSink":
+        durable = "disk" in db.stats().get("tiers", {})
+        return cls(db, Path(db.path) / "replication", durable=durable)
+
+    def _load_applied(self) -> int:
+        try:
+            return int((self.state_dir / APPLIED_NAME).read_text().strip() or 0)
+        except FileNotFoundError:
+            return 0
+        except ValueError:
+            raise CorruptionError(f"{self.state_dir / APPLIED_NAME} is damaged; delete it to re-apply the log") from None
+
+    def applied_lsn(self) -> int:
+        return self._applied
+
+    def status(self) -> dict:
+        return {"applied_lsn": self._applied, "leader": self.leader, "durable": self.durable, **self.counters}
+
+    def apply(self, buf, first_lsn: int, last_lsn: int) -> int:
+        """Apply the consecutive records in ``buf`` (S2); returns the new applied lsn (S1)."""
+        with self._lock:
+            recs = []
+            off = 0
+            while off < len(buf):
+                status, rec = check_record(buf, off)
+                if status != "ok":
+                    raise ReplicationError(f"shipped record at byte {off} of a batch fails its crc32c "
+                                           f"({status}); nothing after lsn {self._applied} applied")
+                recs.append(rec)
+                off += rec.record_bytes
+            lsns = [r.lsn for r in recs]
+            if not recs or lsns != list(range(first_lsn, last_lsn + 1)):
+                raise ReplicationError(f"shipped batch holds lsns {lsns[:1]}..{lsns[-1:]}, "
+                                       f"announced {first_lsn}..{last_lsn}")
+            if first_lsn > self._applied + 1:
+                raise ReplicationError(f"shipped batch starts at lsn {first_lsn}, after applied {self._applied}: "
+                                       "records are missing")
+            todo = [r for r in recs if r.lsn > self._applied]
+            deleted = self._apply_records(todo)
+            self.counters["duplicates"] += len(recs) - len(todo)
+            self.counters["batches"] += 1
+            if self.durable and todo:
+                if deleted:
+                    self.db.flush()
+                _write_atomic(self.state_dir / APPLIED_NAME, str(last_lsn).encode())
+            self._applied = max(self._applied, last_lsn)
+            return self._applied
+
+    def _apply_records(self, recs) -> bool:
+        """Apply records in lsn order, batching runs of PUTs; True when a DELETE was applied."""
+        lay = self.db.layout
+        page = lay.page_bytes
+        durability = "group" if self.durable else "none"
+        keys, pos, rows = [], [], []
+        deleted = False
+
+        def flush_puts():
+            if not keys:
+                return
+            pages = torch.from_numpy(np.stack(rows)) if len(rows) > 1 else torch.from_numpy(rows[0][None])
+            self.db.put_blocks(list(keys), pages.view(lay.dtype).view(len(keys), *lay.block_shape),
+                               positions=[max(p, 0) for p in pos] if any(p >= 0 for p in pos) else None,
+                               durability=durability)
+            self.counters["puts"] += len(keys)
+            keys.clear(), pos.clear(), rows.clear()
+
+        for r in recs:
+            self.counters["records"] += 1
+            if r.rtype == RecordType.PUT_BLOCK:
+                p = decode_put(r.body)
+                if p.flags & FLAG_SEALED:
+                    raise ReplicationError(f"record {r.lsn} is sealed (encryption at rest); followers of an "
+                                           "encrypted leader are not supported yet")
+                if p.raw_bytes != page:
+                    raise ReplicationError(f"record {r.lsn} holds a {p.raw_bytes}-byte page; this follower "
+                                           f"stores {page}-byte pages (another layout)")
+                row = np.empty(page, dtype=np.uint8)
+                from kvdb.cold.codec import decode_page
+
+                decode_page(p.payload, p.codec, lay.itemsize, row)
+                keys.append(p.key)
+                pos.append(p.position)
+                rows.append(row)
+            elif r.rtype == RecordType.DELETE:
+                flush_puts()
+                self.db.delete(decode_delete(r.body))
+                self.counters["deletes"] += 1
+                deleted = True
+            else:
+                self.counters["skipped"] += 1
+        flush_puts()
+        return deleted
+
+    def serve_stream(self, ch: Channel, hello: Message, transport: Transport, region_max_bytes: int) -> None:
+        """Run one leader's stream on an accepted connection until it closes."""
+        self.leader = str(hello.meta.get("leader") or ch.peer_node)
+        want = min(int(hello.meta.get("region_bytes") or 0), region_max_bytes)
+        reply = {"applied_lsn": self._applied}
+        region = transport.open_region(want) if want > 0 else None
+        try:
+            if region is not None and region.tensor is not None:
+                reply["region"] = {"transport": transport.descriptor(), "addr": region.addr, "bytes": region.nbytes}
+            self._serve(ch, reply, region)
+        finally:
+            if region is not None:
+                transport.close_region(region)
+
+    def _serve(self, ch: Channel, reply: dict, region: Region | None) -> None:
+        ch.send(MsgType.SHIP_POSITION, reply)
+        while not ch.closed:
+            msg = ch.expect(MsgType.SHIP_RECORDS)
+            m = msg.meta
+            try:
+                first, last, nbytes = int(m["first_lsn"]), int(m["last_lsn"]), int(m["bytes"])
+            except (KeyError, TypeError, ValueError):
+                ch.send_error(ErrorCode.PROTOCOL, "SHIP_RECORDS needs first_lsn, last_lsn and bytes")
+                return
+            if m.get("inline"):
+                buf = msg.blob
+            else:
+                off = m.get("offset")
+                if region is None or region.tensor is None or not isinstance(off, int) or off < 0 \
+                        or off + nbytes > region.nbytes:
+                    ch.send_error(ErrorCode.PROTOCOL, "SHIP_RECORDS names bytes outside the landing region")
+                    return
+                buf = memoryview(region.tensor[off : off + nbytes].numpy())
+            if len(buf) != nbytes:
+                ch.send_error(ErrorCode.PROTOCOL, f"SHIP_RECORDS carries {len(buf)} bytes, announced {nbytes}")
+                return
+            try:
+                applied = self.apply(buf, first, last)
+            except ReplicationError as e:
+                ch.send_error(ErrorCode.CORRUPT, str(e))
+                raise
+            ch.send(MsgType.SHIP_ACK, {"applied_lsn": applied})

@@ -1,0 +1,114 @@
+"""Fixtures for replication tests.
+
+Every test that starts a Mooncake Transfer Engine runs inside a private network namespace with
+only loopback up (``netns`` fixture): the engine binds 0.0.0.0 whatever it is told. The
+namespace is entered by the test's thread, so node servers started from it (threads or
+``kvdb replicate serve`` subprocesses) and the in-process engine share ONE namespace.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from kvdb.buffer_pool.layout import BlockLayout
+from kvdb.replication.netns import netns_unavailable, private_netns
+from kvdb.replication.transport import mooncake_import_error
+
+SECRET = b"0123456789abcdef-test-cluster-secret"
+# 4 layers x 2 (k, v) x 16 tokens x 2 heads x 32 dims x 2 bytes = 16 KiB pages
+LAYOUT = BlockLayout(num_layers=4, num_kv_heads=2, head_dim=32, block_tokens=16, dtype=torch.bfloat16)
+
+_NETNS_WHY = netns_unavailable()
+_TE_WHY = mooncake_import_error()
+
+needs_netns = pytest.mark.skipif(_NETNS_WHY is not None, reason=f"no private network namespace: {_NETNS_WHY}")
+needs_te = pytest.mark.skipif(
+    _TE_WHY is not None or _NETNS_WHY is not None,
+    reason=f"Mooncake Transfer Engine unusable here ({_TE_WHY})" if _TE_WHY
+    else f"the Transfer Engine listens on 0.0.0.0 and no private network namespace is available ({_NETNS_WHY})",
+)
+
+TRANSPORTS = [pytest.param("mooncake", marks=needs_te), pytest.param("tcp", marks=needs_netns)]
+
+
+@pytest.fixture
+def netns():
+    """Run the test body inside a fresh network namespace (loopback only)."""
+    if _NETNS_WHY is not None:
+        pytest.skip(f"no private network namespace: {_NETNS_WHY}")
+    with private_netns():
+        yield
+
+
+@pytest.fixture
+def secret_file(tmp_path):
+    p = tmp_path / "cluster.secret"
+    p.write_bytes(SECRET + b"\n")
+    return p
+
+
+def make_blocks(n: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn((n, *LAYOUT.block_shape), generator=g).to(LAYOUT.dtype)
+
+
+def make_keys(n: int, tag: int) -> list[bytes]:
+    return [bytes([tag]) + i.to_bytes(4, "little") + bytes(11) for i in range(n)]
+
+
+class NodeProc:
+    """A ``kvdb replicate serve`` subprocess (started inside the caller's namespace)."""
+
+    def __init__(self, db_path, secret_file, *, port: int = 0, transport: str = "auto", disk_bytes=None):
+        self.db_path, self.secret_file, self.transport, self.disk_bytes = db_path, secret_file, transport, disk_bytes
+        self.port = port
+        self.start()
+
+    def start(self) -> "NodeProc":
+        cmd = [sys.executable, "-c", "from kvdb.cli.main import cli; cli()", "replicate", "serve",
+               "--db", str(self.db_path), "--listen", f"127.0.0.1:{self.port}", "--secret-file",
+               str(self.secret_file), "--transport", self.transport, "--json",
+               "--layout", json.dumps(LAYOUT.to_dict()), "--model-id", "test-model",
+               "--host-bytes", str(256 * LAYOUT.page_bytes)]
+        if self.disk_bytes is not None:
+            cmd += ["--disk-bytes", str(self.disk_bytes)]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"node for {self.db_path} exited with {self.proc.wait()} before listening")
+        info = json.loads(line)
+        self.address = info["address"]
+        self.port = int(self.address.rsplit(":", 1)[1])
+        return self
+
+    def kill(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait()
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout=30)
+
+
+@pytest.fixture
+def nodes():
+    started: list[NodeProc] = []
+
+    def spawn(*args, **kw) -> NodeProc:
+        n = NodeProc(*args, **kw)
+        started.append(n)
+        return n
+
+    yield spawn
+    for n in started:
+        if n.proc.poll() is None:
+            n.proc.kill()
+            n.proc.wait()
