@@ -24,10 +24,13 @@ Invariants
     I3  RoPE is baked into stored keys, so a block is only valid at the position it was computed
         at. The prefix hash chain guarantees it: block i's key names tokens [0, (i+1)*bt), so it
         can only ever be looked up as block i. Its depth i is stored with it too (``positions``).
-    I4  Save and restore move data in batches: one ``torch.stack`` over all layers and
-        directions, then one permute-copy into a preallocated tensor. The only loop over layers
-        is the one transformers' cache API forces (``DynamicCache.update`` takes one layer at a
-        time; it copies with ``torch.cat``); there is no loop per token or per block.
+    I4  Save and restore move data in batches, never with a Python loop per token or block.
+        Save: one ``torch.stack`` of every layer's K and V slice, one permute-copy into a
+        preallocated block tensor, one ``put_blocks``. Restore: pin the prefix (zero-copy
+        views of kvdb's arena; one view over all of them when the frames are consecutive),
+        one permute-copy into a fresh [layers, 2, 1, kv_heads, tokens, head_dim] tensor whose
+        per-layer slices become the cache's tensors. The one loop over layers hands each layer
+        its slice: transformers keeps a separate tensor object per layer.
 
 Only batch size 1 is supported (one prompt per call), and only models whose every layer is a
 plain full-attention ``DynamicLayer``: sliding-window or linear-attention layers keep a cache
@@ -41,7 +44,7 @@ from dataclasses import dataclass
 import torch
 
 from kvdb.buffer_pool.layout import DTYPES_BY_NAME, BlockLayout
-from kvdb.errors import InvalidInput, NotFound
+from kvdb.errors import CapacityError, InvalidInput, NotFound
 
 try:  # transformers is an optional extra: kvdb[transformers]
     from transformers import DynamicCache
@@ -126,11 +129,11 @@ def blocks_from_cache(cache, start_tokens: int, num_blocks: int, block_tokens: i
 
 
 def cache_from_blocks(config, blocks: torch.Tensor, device: torch.device | str | None = None):
-    """A DynamicCache holding ``blocks`` ([n, L, 2, bt, H, D]) as its first n*bt tokens (I4).
+    """A DynamicCache holding ``blocks`` ([n, L, 2, bt, H, D], any strides) as its first n*bt tokens.
 
-    One permute-copy of all layers into a fresh [L, 2, 1, H, n*bt, D] tensor (fresh so that the
-    cache never aliases a buffer kvdb reuses), then one ``update`` per layer: transformers'
-    cache API takes layers one at a time.
+    One permute-copy of all layers into a fresh [L, 2, 1, H, n*bt, D] tensor (fresh: the cache
+    owns it and later forward passes extend it), whose per-layer slices become the layers' K and
+    V (I4). ``blocks`` may alias kvdb's arena (pinned pages): it is only read.
     """
     cache = DynamicCache(config=config)
     _check_cache_layers(cache)
@@ -140,9 +143,35 @@ def cache_from_blocks(config, blocks: torch.Tensor, device: torch.device | str |
     staged = torch.empty((num_layers, 2, 1, heads, n, bt, head_dim), dtype=blocks.dtype, device=device or blocks.device)
     staged.copy_(blocks.permute(1, 2, 4, 0, 3, 5).unsqueeze(2), non_blocking=True)
     staged = staged.view(num_layers, 2, 1, heads, n * bt, head_dim)
-    for layer_idx in range(num_layers):  # forced by DynamicCache.update (one layer per call)
-        cache.update(staged[layer_idx, 0], staged[layer_idx, 1], layer_idx)
+    for layer_idx, layer in enumerate(cache.layers):  # one tensor per layer: the cache's own structure
+        _adopt(layer, staged[layer_idx, 0], staged[layer_idx, 1])
     return cache
+
+
+def _adopt(layer, keys: torch.Tensor, values: torch.Tensor) -> None:
+    """Make an empty DynamicLayer hold ``keys`` / ``values`` without copying them again.
+
+    ``DynamicLayer.update`` would ``torch.cat`` them onto an empty tensor: a second full copy
+    of the prefix (measured: it doubled the restore time of an 8k-token prompt). This does what
+    update does minus the cat; the result is checked against update in the tests. Pinned
+    transformers range: pyproject.toml.
+    """
+    layer.lazy_initialization(keys, values)
+    layer.keys = keys
+    layer.values = values
+
+
+def _as_batch(pages: list[torch.Tensor]) -> torch.Tensor | None:
+    """One [n, *block_shape] view over pinned pages when they sit in consecutive frames of one
+    arena (the usual case: a chain is inserted in one batch), else None."""
+    first = pages[0]
+    step = first.numel()
+    base = first.data_ptr()
+    size = first.element_size()
+    for i, p in enumerate(pages):
+        if p.data_ptr() != base + i * step * size or p.device != first.device:
+            return None
+    return torch.as_strided(first, (len(pages), *first.shape), (step, *first.stride()), first.storage_offset())
 
 
 @dataclass
@@ -203,23 +232,68 @@ class PrefixCache:
             self._buf = torch.empty((cap, *self.layout.block_shape), dtype=self.layout.dtype)
         return self._buf
 
-    def _read_prefix(self, keys: list, n: int) -> int:
-        """Read keys[:n] into the staging buffer; returns how many leading blocks are intact (I2).
+    def _restore(self, keys: list, n: int):
+        """(cache, good): a cache of the longest intact prefix of keys[:n] (I2).
 
-        ``Db.get_blocks`` is all-or-nothing: it raises NotFound when a block vanished between
+        Fast path: pin keys[:n] (zero-copy views into kvdb's arena; disk blocks are read into
+        memory first), permute-copy them straight into the cache's tensors, unpin. Pinning and
+        ``Db.get_blocks`` are all-or-nothing: they raise NotFound when a block vanished between
         match and read or failed its checksum on the way up from disk. Then the longest readable
-        prefix is found by bisection (log2(n) more reads, all but the failing block already in
-        memory after the first attempt): a rare path, so the common one stays one batched read.
+        prefix is found by bisection (log2(n) more pins, the failing block the only one not
+        already in memory after the first attempt): a rare path, so the common one stays one
+        batched read. When the blocks cannot all be pinned at once (a tier smaller than the
+        prefix: CapacityError), they are read with ``get_blocks`` into a staging buffer instead.
         """
         if n == 0:
-            return 0
+            return cache_from_blocks(self.config, self._buf[:0], device=self._device), 0
+        pinned, good = self._pin_prefix(keys, n)
+        if pinned is None:
+            if good == 0:
+                return cache_from_blocks(self.config, self._buf[:0], device=self._device), 0
+            blocks = self._buffer(good)[:good]
+            self.db.get_blocks(keys[:good], out=blocks)
+            return cache_from_blocks(self.config, blocks, device=self._device), good
+        with pinned:
+            src = _as_batch(pinned.pages)
+            if src is None:  # scattered frames: gather them in one op into the staging buffer
+                src = torch.stack(pinned.pages, out=self._buffer(good)[:good])
+            return cache_from_blocks(self.config, src, device=self._device), good
+
+    def _pin_prefix(self, keys: list, n: int):
+        """(PinnedPages or None, good): pin the longest intact prefix; None when pinning is not
+        possible for capacity reasons (good then says how many to read with get_blocks)."""
+        try:
+            return self.db.pin(keys[:n]), n
+        except CapacityError:
+            return None, self._readable_prefix(keys, n)
+        except NotFound:
+            pass
+        lo, hi = 0, n  # keys[:lo] readable, keys[:hi] not
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            try:
+                self.db.pin(keys[:mid]).release()
+                lo = mid
+            except NotFound:
+                hi = mid
+            except CapacityError:
+                return None, self._readable_prefix(keys, mid)
+        if lo == 0:
+            return None, 0
+        try:
+            return self.db.pin(keys[:lo]), lo
+        except (NotFound, CapacityError):
+            return None, self._readable_prefix(keys, lo)
+
+    def _readable_prefix(self, keys: list, n: int) -> int:
+        """How many leading keys of keys[:n] get_blocks can read (bisection, I2)."""
         buf = self._buffer(n)
         try:
             self.db.get_blocks(keys[:n], out=buf)
             return n
         except NotFound:
             pass
-        lo, hi = 0, n  # keys[:lo] readable, keys[:hi] not
+        lo, hi = 0, n
         while hi - lo > 1:
             mid = (lo + hi) // 2
             try:
@@ -227,8 +301,6 @@ class PrefixCache:
                 lo = mid
             except NotFound:
                 hi = mid
-        if lo:
-            self.db.get_blocks(keys[:lo], out=buf)  # do not trust what a failed read left behind
         return lo
 
     def keys(self, input_ids) -> list:
@@ -249,12 +321,10 @@ class PrefixCache:
         usable = (len(tokens) - 1) // bt if tokens else 0
         keys = self.db.block_keys(tokens[: usable * bt], tenant=self.tenant) if usable else []
         n = self.db.match_prefix(keys, ctx=ctx) if keys else 0
-        good = self._read_prefix(keys, n)
+        cache, good = self._restore(keys, n)
         if good < n:
             self.stats.refused_blocks += n - good
             n = good
-        blocks = self._buf[:n]
-        cache = cache_from_blocks(self.config, blocks, device=self._device)
         self.stats.lookups += 1
         self.stats.prompt_tokens += len(tokens)
         self.stats.hit_tokens += n * bt

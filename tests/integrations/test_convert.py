@@ -102,3 +102,29 @@ def test_sliding_window_model_refused():
     lay = layout_for(mistral)
     with pytest.raises(InvalidInput, match="full attention"):
         cache_from_blocks(mistral, torch.empty((0, *lay.block_shape)))
+
+
+def test_adopted_cache_equals_update_built_cache(llama, prompt):
+    # cache_from_blocks hands each layer its slice instead of DynamicCache.update's cat: the
+    # cache must be indistinguishable from one built through update.
+    lay = layout_for(llama.config)
+    with torch.inference_mode():
+        cache = llama(prompt, use_cache=True).past_key_values
+        blocks = blocks_from_cache(cache, 0, 5, 16, torch.empty((5, *lay.block_shape)))
+        adopted = cache_from_blocks(llama.config, blocks)
+        built = transformers_cache(llama.config)
+        for layer in range(4):
+            built.update(cache.layers[layer].keys[:, :, :80].clone(), cache.layers[layer].values[:, :, :80].clone(), layer)
+        for a, b in zip(adopted.layers, built.layers):
+            assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+            assert a.is_initialized and a.keys.dtype == b.keys.dtype and a.device == b.device
+        assert adopted.get_seq_length() == built.get_seq_length() == 80
+        la = llama(prompt[:, 80:], past_key_values=adopted, use_cache=True).logits
+        lb = llama(prompt[:, 80:], past_key_values=built, use_cache=True).logits
+    assert torch.equal(la, lb)
+
+
+def transformers_cache(config):
+    from transformers import DynamicCache
+
+    return DynamicCache(config=config)

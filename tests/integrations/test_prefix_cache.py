@@ -173,10 +173,17 @@ class VanishingDb:
     def __getattr__(self, name):
         return getattr(self._db, name)
 
-    def get_blocks(self, keys, out):
+    def _fault(self, keys):
         if self.lost & set(keys):
             raise NotFound("injected: block failed its checksum")
+
+    def get_blocks(self, keys, out):
+        self._fault(keys)
         return self._db.get_blocks(keys, out=out)
+
+    def pin(self, keys):
+        self._fault(keys)
+        return self._db.pin(keys)
 
 
 @torch.inference_mode()
@@ -195,3 +202,27 @@ def test_unreadable_block_ends_the_prefix(llama, tmp_path):
         assert torch.equal(logits, ref_logits) and produced == ref_produced
         pc0 = PrefixCache(VanishingDb(db, [keys[0]]), llama)
         assert pc0.lookup(ids)[1] == 0
+        assert db.stats()["tiers"]["host"]["pinned_pages"] == 0  # every pin was released
+
+
+@torch.inference_mode()
+def test_scattered_frames_restore_exactly(llama, tmp_path):
+    # Scenario (I4): the chain's blocks were saved in three calls interleaved with another
+    # prompt's, so its frames are not consecutive in the arena (no single view over them):
+    # the restore gathers them and still matches the recompute path exactly.
+    ids, other = tokens(120, 9), tokens(120, 10)
+    with open_db(tmp_path / "db", llama) as db:
+        pc = PrefixCache(db, llama)
+        full, full_other = llama(ids, use_cache=True).past_key_values, llama(other, use_cache=True).past_key_values
+        for end in (32, 64, 112):
+            pc.save(ids[:, :end], full)
+            pc.save(other[:, :end], full_other)
+        with db.pin(db.block_keys(ids[0].tolist())) as pinned:
+            ptrs = [p.data_ptr() for p in pinned.pages]
+        assert ptrs[2] - ptrs[1] != ptrs[1] - ptrs[0]  # really scattered
+        cache, n = pc.lookup(ids)
+        assert n == 112
+        logits, produced = greedy(llama, ids, cache, n, steps=8)
+        ref_logits, ref_produced = reference(llama, ids, n, steps=8)
+        assert torch.equal(logits, ref_logits) and produced == ref_produced
+        assert db.stats()["tiers"]["host"]["pinned_pages"] == 0
