@@ -147,6 +147,13 @@ class Planner:
         del self._sessions[session_id]
         self._emit(SessionEnded(session_id, self._now(now_s)))
 
+    def explain(self, workflow: Mapping[str, Any]) -> dict[str, Any]:
+        """The EXPLAIN tree for a workflow spec (kvdb.planner.explain documents it)."""
+        from kvdb.planner.explain import explain
+
+        return explain(workflow)
+
     def workflow_of(self, session_id: str) -> Workflow | None:
         s = self._sessions.get(session_id)
         return None if s is None else s.workflow
+

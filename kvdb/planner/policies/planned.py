@@ -71,6 +71,11 @@ class PlannedReplacer(Replacer):
         self._L = 0.0
         self._tc = math.inf
         self._now = 0.0
+        self._returns: dict[str, float] = {}  # session -> predicted return (from its hints)
+
+    def predicted_return(self, session_id: str) -> float | None:
+        """When the session's next call is expected (hint-based), for prefetch; None if unknown."""
+        return self._returns.get(session_id)
 
     # -- bookkeeping --------------------------------------------------------------------
     def _push_gd(self, f: int) -> None:
@@ -137,6 +142,11 @@ class PlannedReplacer(Replacer):
         hints = ctx.hints if ctx is not None else {}
         prio = 1 + hints.get("priority", 0)
         plan = self._plan_for(hints, now) if (hints and sid is not None) else None
+        if sid is not None:
+            if plan is not None and "expected_tool_duration_s" in hints:
+                self._returns[sid] = plan[0]
+            else:
+                self._returns.pop(sid, None)
         state, hits, ghosts = self._state, self._hits, self._ghosts
         last = len(frames) - 1
         L = self._L
@@ -174,6 +184,8 @@ class PlannedReplacer(Replacer):
             if event.now_s > self._now:
                 self._now = event.now_s
             plan = self._plan_for(event.hints, self._now)
+            if plan is not None and "expected_tool_duration_s" in event.hints:
+                self._returns[event.session_id] = plan[0]
             prio = event.hints.get("priority")
             for f in sorted(self._session_frames.get(event.session_id, ())):
                 if self._state[f] == ABSENT or self._leaf[f] or self._shared[f]:
@@ -187,6 +199,7 @@ class PlannedReplacer(Replacer):
         elif isinstance(event, SessionEnded):
             if event.now_s > self._now:
                 self._now = event.now_s
+            self._returns.pop(event.session_id, None)
             for f in sorted(self._session_frames.pop(event.session_id, ())):
                 self._sess[f] = None
                 if self._state[f] == ABSENT or self._shared[f]:

@@ -143,6 +143,10 @@ class TokencakeReplacer(Replacer):
     def num_evictable(self) -> int:
         return sum(1 for f in self._lru if f not in self._pinned)
 
+    def predicted_return(self, session_id: str) -> float | None:
+        w = self._waiting.get(session_id)
+        return None if w is None else w[0]
+
     def waiting_sessions(self, now_s: float) -> dict[str, float]:
         """Sessions in a tool wait -> predicted return time (the timed replay reloads them)."""
         return {s: r for s, (r, _) in self._waiting.items() if r > now_s}

@@ -1,0 +1,160 @@
+"""``kvdb sim``, ``kvdb gen``, ``kvdb explain``: replay traces, generate agent workflows, show plans."""
+
+from __future__ import annotations
+
+import json
+import sys
+from contextlib import nullcontext
+
+import click
+
+from kvdb.errors import InvalidInput
+
+
+def _progress(total: int, enabled: bool):
+    if not enabled:
+        return nullcontext(None)
+    from rich.progress import Progress
+
+    class _Bar:
+        def __init__(self) -> None:
+            self.p = Progress(transient=True, console=None)
+
+        def __enter__(self):
+            self.p.__enter__()
+            self.task = self.p.add_task("replay", total=total)
+            return lambda n: self.p.advance(self.task, n)
+
+        def __exit__(self, *exc):
+            return self.p.__exit__(*exc)
+
+    return _Bar()
+
+
+@click.command("sim")
+@click.argument("trace", type=click.Path(dir_okay=False))
+@click.option("--policy", "policies", multiple=True, required=True,
+              help="lru, lfu, arc, kvflow, tokencake, kvdb, belady (repeatable)")
+@click.option("--capacity", "capacities", type=int, multiple=True, help="device capacity in blocks (repeatable)")
+@click.option("--capacity-fraction", "fractions", type=float, multiple=True,
+              help="capacity as a share of the trace's distinct blocks (repeatable)")
+@click.option("--timed", is_flag=True, help="timed replay (TTFT, job completion time) instead of hit ratios")
+@click.option("--host-factor", type=float, default=4.0, show_default=True,
+              help="--timed: host tier capacity as a multiple of the device capacity")
+@click.option("--json", "as_json", is_flag=True, help="print a JSON list, one object per (policy, capacity)")
+@click.option("--per-request-out", type=click.Path(dir_okay=False), help="write one JSON line per call (hit blocks)")
+@click.option("--plot", type=click.Path(dir_okay=False), help="draw hit ratio against capacity per policy (PNG)")
+def sim_cmd(trace, policies, capacities, fractions, timed, host_factor, as_json, per_request_out, plot):
+    """Replay TRACE (Mooncake or kvdb JSONL) under each policy and capacity."""
+    from kvdb.planner.policies import POLICIES
+    from kvdb.sim.replay import capacity_for, replay
+    from kvdb.sim.trace import read_trace
+
+    for p in policies:
+        if p not in POLICIES:
+            raise click.UsageError(f"unknown policy {p!r}; one of {', '.join(sorted(POLICIES))}")
+    if not capacities and not fractions:
+        raise click.UsageError("give --capacity N or --capacity-fraction F")
+    if per_request_out and (len(policies) * (len(capacities) + len(fractions)) != 1):
+        raise click.UsageError("--per-request-out needs exactly one policy and one capacity")
+    t = read_trace(trace)
+    caps = list(capacities) + [capacity_for(t, f) for f in fractions]
+    rows = []
+    show = sys.stderr.isatty() and not as_json
+    if timed:
+        from kvdb.sim.timed import timed_replay
+
+        for c in caps:
+            for p in policies:
+                rows.append(timed_replay(t, p, c, int(c * host_factor)).as_dict())
+    else:
+        out = open(per_request_out, "w", encoding="utf-8") if per_request_out else None
+        try:
+            for c in caps:
+                for p in policies:
+                    with _progress(len(t.calls), show) as adv:
+                        sink = (lambda d: out.write(json.dumps(d, separators=(",", ":")) + "\n")) if out else None
+                        rows.append(replay(t, p, c, per_request=sink, progress=adv).as_dict())
+        finally:
+            if out:
+                out.close()
+    if plot and not timed:
+        _plot(rows, plot)
+    if as_json:
+        click.echo(json.dumps(rows, indent=2))
+        return
+    if timed:
+        click.echo(f"{'policy':<10} {'device':>7} {'host':>7} {'ttft_mean_s':>12} {'ttft_p99_s':>11} {'jct_mean_s':>11} {'jct_p99_s':>10}")
+        for r in rows:
+            click.echo(f"{r['policy']:<10} {r['device_blocks']:>7} {r['host_blocks']:>7} {r['ttft_mean_s']:>12.4f} "
+                       f"{r['ttft_p99_s']:>11.4f} {r['jct_mean_s']:>11.3f} {r['jct_p99_s']:>10.3f}")
+        return
+    click.echo(f"{'policy':<10} {'capacity':>9} {'requests':>9} {'accesses':>9} {'hits':>8} {'block_hit':>9} {'token_hit':>9} {'us/access':>9}")
+    for r in rows:
+        click.echo(f"{r['policy']:<10} {r['capacity_blocks']:>9} {r['requests']:>9} {r['accesses']:>9} {r['hits']:>8} "
+                   f"{r['block_hit_ratio']:>9.4f} {r['token_hit_ratio']:>9.4f} {r['policy_us_per_access']:>9.2f}")
+
+
+def _plot(rows, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for p in dict.fromkeys(r["policy"] for r in rows):
+        pts = sorted((r["capacity_blocks"], r["block_hit_ratio"]) for r in rows if r["policy"] == p)
+        ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=p)
+    ax.set_xlabel("capacity (blocks)")
+    ax.set_ylabel("block hit ratio")
+    ax.set_xscale("log")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+@click.command("gen")
+@click.option("--params", "params_path", type=click.Path(dir_okay=False), help="JSON parameters (tools/workflows/agents.json)")
+@click.option("--seed", type=int, help="override the seed")
+@click.option("--sessions", type=int, help="override the number of sessions")
+@click.option("--no-hints", is_flag=True, help="emit no hints")
+@click.option("--hint-noise", type=float, help="sigma of the hints' log-normal noise")
+@click.option("-o", "--out", "out_path", type=click.Path(dir_okay=False), required=True, help="trace file to write")
+@click.option("--json", "as_json", is_flag=True, help="print a JSON summary")
+def gen_cmd(params_path, seed, sessions, no_hints, hint_noise, out_path, as_json):
+    """Generate a seeded agent-workflow trace (fan-out / fan-in DAGs, tool waits, hints)."""
+    from kvdb.sim.generator import load_params, write_trace
+
+    p = load_params(params_path, seed=seed, sessions=sessions, hints=False if no_hints else None,
+                    hint_noise_sigma=hint_noise)
+    n = write_trace(p, out_path)
+    if as_json:
+        click.echo(json.dumps({"out": out_path, "lines": n, "params": p}, indent=2))
+    else:
+        click.echo(f"wrote {n} lines to {out_path}")
+
+
+@click.command("explain")
+@click.argument("workflow", type=click.Path(dir_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="print the plan tree as JSON")
+def explain_cmd(workflow, as_json):
+    """Show the plan for WORKFLOW.json: per node, reuse and tier, prefetch deadlines, prefill saved."""
+    from kvdb.errors import NotFound
+    from kvdb.planner.explain import explain, render
+
+    try:
+        with open(workflow, encoding="utf-8") as f:
+            spec = json.load(f)
+    except FileNotFoundError:
+        raise NotFound(f"workflow file {workflow!r} does not exist") from None
+    except json.JSONDecodeError as e:
+        raise InvalidInput(f"{workflow}: malformed JSON ({e.msg} at line {e.lineno})") from None
+    plan = explain(spec)
+    click.echo(json.dumps(plan, indent=2) if as_json else render(plan))
+
+
+def register(cli: click.Group) -> None:
+    cli.add_command(sim_cmd)
+    cli.add_command(gen_cmd)
+    cli.add_command(explain_cmd)
