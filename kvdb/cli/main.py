@@ -16,7 +16,9 @@ from kvdb.errors import CorruptionError, KvdbError
 # modules under kvdb/cli/ whose ``register(cli)`` adds their commands
 COMMAND_MODULES = [
     "kvdb.cli.store",
+    "kvdb.cli.demo",
     "kvdb.cli.replicate",
+    "kvdb.cli.sim",
 ]
 
 
