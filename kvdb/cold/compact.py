@@ -37,10 +37,11 @@ def compact(store, progress=None, *, min_dead_fraction: float = 0.0) -> dict:
     out = dict(records_copied=0, bytes_copied=0, damaged_records=0)
     w = store._writer
     with store._ckpt_lock:
-        store._checkpoint_locked_free()
+        first = list_segments(store._fs, store.wal_dir)
+        out["segments_before"] = len(first)
+        before_bytes = _log_bytes(store, first)
+        store._checkpoint_locked_free()  # also deletes wholly dead segments
         segs = list_segments(store._fs, store.wal_dir)
-        out["segments_before"] = len(segs)
-        before_bytes = _log_bytes(store, segs)
         with w.lock:
             active = w.segment_no
             victims = []
@@ -73,7 +74,7 @@ def compact(store, progress=None, *, min_dead_fraction: float = 0.0) -> dict:
         store._checkpoint_locked_free()  # deletes every victim now wholly dead
         segs_after = list_segments(store._fs, store.wal_dir)
         out["segments_after"] = len(segs_after)
-        out["segments_deleted"] = len(set(segs) - set(segs_after))
+        out["segments_deleted"] = len(set(first) - set(segs_after))
         out["bytes_reclaimed"] = max(0, before_bytes - _log_bytes(store, segs_after))
     return out
 
