@@ -16,6 +16,7 @@ from kvdb.errors import CorruptionError, KvdbError
 # modules under kvdb/cli/ whose ``register(cli)`` adds their commands
 COMMAND_MODULES = [
     "kvdb.cli.store",
+    "kvdb.cli.cold",
     "kvdb.cli.demo",
     "kvdb.cli.replicate",
     "kvdb.cli.sim",

@@ -1,0 +1,216 @@
+"""``kvdb bench cold``: the disk tier against raw file I/O of the same bytes, same filesystem.
+
+Figures (all measured in one run, DESIGN.md "Performance"):
+
+* ``raw_write_gbps``   write the pages to a plain file in batches, fdatasync after each batch;
+* ``write_gbps``       ColdStore.put of the same batches under ``group`` (one shared fsync each);
+* ``raw_read_gbps``    read the plain file back into a preallocated array, page cache dropped
+                       first (posix_fadvise DONTNEED) so both reads come from the device;
+* ``read_gbps``        ColdStore.get_into of the same pages, page cache dropped the same way;
+* ``sync_ops_s``       one thread putting small blocks, each under ``sync`` (its own fsync);
+* ``group_commit_ops_s`` 8 threads putting the same small blocks under ``group``;
+* ``recovery_s``       reopen after a crash (no checkpoint) with ``recovery_bytes`` of log to
+                       replay, page cache dropped.
+
+Goals printed with them: write >= 0.8 x raw write, read >= 0.8 x raw read, group >= 5 x sync,
+recovery of 1 GiB <= 2 s.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import threading
+import time
+
+import numpy as np
+
+from kvdb.buffer_pool.layout import BlockLayout
+from kvdb.cold.store import ColdStore
+
+GIB = 1 << 30
+#: Llama-3-8B in bf16, 16-token blocks: 2 MiB pages
+BIG = BlockLayout(num_layers=32, num_kv_heads=8, head_dim=128, block_tokens=16)
+#: small blocks for the commit-rate figures: 4 KiB pages
+SMALL = BlockLayout(num_layers=1, num_kv_heads=1, head_dim=64, block_tokens=16)
+
+
+def _drop_cache(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fdatasync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def _drop_dir_cache(d: str) -> None:
+    for name in os.listdir(d):
+        _drop_cache(os.path.join(d, name))
+
+
+def _keys(n: int, tag: int) -> list[bytes]:
+    return [tag.to_bytes(4, "little") + i.to_bytes(12, "little") for i in range(n)]
+
+
+def bench_bandwidth(root: str, total_bytes: int, batch_pages: int, progress=None) -> dict:
+    page = BIG.page_bytes
+    n_batches = max(1, total_bytes // (page * batch_pages))
+    rng = np.random.default_rng(0)
+    pages = rng.integers(0, 256, (batch_pages, page), dtype=np.uint8)
+    nbytes = n_batches * batch_pages * page
+
+    raw_path = os.path.join(root, "raw.bin")
+    fd = os.open(raw_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    t0 = time.perf_counter()
+    for _ in range(n_batches):
+        mv = memoryview(pages).cast("B")
+        while mv.nbytes:
+            mv = mv[os.write(fd, mv):]
+        os.fdatasync(fd)
+    raw_write_s = time.perf_counter() - t0
+    os.close(fd)
+    if progress:
+        progress()
+
+    store = ColdStore.open(os.path.join(root, "store"), BIG, segment_bytes=1 << 30, checkpoint_bytes=1 << 40)
+    try:
+        t0 = time.perf_counter()
+        for b in range(n_batches):
+            store.put(_keys(batch_pages, b), pages, None, "group")
+        write_s = time.perf_counter() - t0
+        if progress:
+            progress()
+
+        out = np.empty_like(pages)
+        _drop_cache(raw_path)
+        fd = os.open(raw_path, os.O_RDONLY)
+        t0 = time.perf_counter()
+        off = 0
+        for _ in range(n_batches):
+            off += os.preadv(fd, [out], off)
+        raw_read_s = time.perf_counter() - t0
+        os.close(fd)
+        assert off == nbytes, (off, nbytes)
+
+        store.flush()
+        _drop_dir_cache(store.wal_dir)
+        t0 = time.perf_counter()
+        hits = 0
+        for b in range(n_batches):
+            hits += sum(store.get_into(_keys(batch_pages, b), out))
+        read_s = time.perf_counter() - t0
+        if progress:
+            progress()
+        assert hits == n_batches * batch_pages and (out == pages).all()
+    finally:
+        store.close()
+    gb = nbytes / 1e9
+    return {
+        "bytes": nbytes,
+        "page_bytes": page,
+        "batch_pages": batch_pages,
+        "raw_write_gbps": round(gb / raw_write_s, 3),
+        "write_gbps": round(gb / write_s, 3),
+        "raw_read_gbps": round(gb / raw_read_s, 3),
+        "read_gbps": round(gb / read_s, 3),
+    }
+
+
+def bench_commits(root: str, threads: int, ops_per_thread: int, sync_ops: int) -> dict:
+    rng = np.random.default_rng(1)
+    page = rng.integers(0, 256, (1, SMALL.page_bytes), dtype=np.uint8)
+    store = ColdStore.open(os.path.join(root, "small"), SMALL)
+    try:
+        keys = _keys(sync_ops, 1)
+        t0 = time.perf_counter()
+        for k in keys:
+            store.put([k], page, None, "sync")
+        sync_s = time.perf_counter() - t0
+
+        f0 = store.stats()["fsyncs"]
+        barrier = threading.Barrier(threads + 1)
+
+        def writer(t: int) -> None:
+            ks = _keys(ops_per_thread, 100 + t)
+            barrier.wait()
+            for k in ks:
+                store.put([k], page, None, "group")
+
+        ts = [threading.Thread(target=writer, args=(t,)) for t in range(threads)]
+        for t in ts:
+            t.start()
+        barrier.wait()
+        t0 = time.perf_counter()
+        for t in ts:
+            t.join()
+        group_s = time.perf_counter() - t0
+        group_fsyncs = store.stats()["fsyncs"] - f0
+    finally:
+        store.close()
+    return {
+        "small_page_bytes": SMALL.page_bytes,
+        "sync_ops_s": round(sync_ops / sync_s, 1),
+        "group_threads": threads,
+        "group_commit_ops_s": round(threads * ops_per_thread / group_s, 1),
+        "group_ops_per_fsync": round(threads * ops_per_thread / max(1, group_fsyncs), 2),
+    }
+
+
+def bench_recovery(root: str, log_bytes: int) -> dict:
+    page = BIG.page_bytes
+    n = max(1, log_bytes // (page + 53))
+    rng = np.random.default_rng(2)
+    pages = rng.integers(0, 256, (64, page), dtype=np.uint8)
+    path = os.path.join(root, "recovery")
+    store = ColdStore.open(path, BIG, segment_bytes=256 << 20, checkpoint_bytes=1 << 40, flush_interval_s=None)
+    done = 0
+    while done < n:
+        m = min(64, n - done)
+        store.put(_keys(m, 1000 + done), pages[:m], None, "group")
+        done += m
+    store.debug_crash_close()  # no checkpoint: the whole log is replayed
+    _drop_dir_cache(os.path.join(path, "wal"))
+    t0 = time.perf_counter()
+    store = ColdStore.open(path, BIG, flush_interval_s=None)
+    recovery_s = time.perf_counter() - t0
+    r = store.recovery
+    ok = store.stats()["pages"] == n
+    store.close()
+    return {"recovery_log_bytes": r.bytes_replayed, "recovery_records": r.records_replayed,
+            "recovery_s": round(recovery_s, 3), "recovery_ok": ok}
+
+
+def run(dir_path: str | None = None, total_bytes: int = 512 << 20, batch_pages: int = 32,
+        threads: int = 8, ops_per_thread: int = 400, sync_ops: int = 400,
+        recovery_bytes: int = GIB, progress=None) -> dict:
+    root = tempfile.mkdtemp(prefix="kvdb-bench-cold-", dir=dir_path)
+    try:
+        res = bench_bandwidth(root, total_bytes, batch_pages, progress)
+        res.update(bench_commits(root, threads, ops_per_thread, sync_ops))
+        if progress:
+            progress()
+        if recovery_bytes:
+            res.update(bench_recovery(root, recovery_bytes))
+        if progress:
+            progress()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    res["write_vs_raw"] = round(res["write_gbps"] / res["raw_write_gbps"], 3)
+    res["read_vs_raw"] = round(res["read_gbps"] / res["raw_read_gbps"], 3)
+    res["group_vs_sync"] = round(res["group_commit_ops_s"] / res["sync_ops_s"], 2)
+    goals = {
+        "write_vs_raw >= 0.8": res["write_vs_raw"] >= 0.8,
+        "read_vs_raw >= 0.8": res["read_vs_raw"] >= 0.8,
+        "group_vs_sync >= 5": res["group_vs_sync"] >= 5,
+    }
+    if recovery_bytes:
+        per_gib = res["recovery_s"] * GIB / max(1, res["recovery_log_bytes"])
+        res["recovery_s_per_gib"] = round(per_gib, 3)
+        goals["recovery_s_per_gib <= 2"] = per_gib <= 2.0
+    res["goals"] = goals
+    return res
+
+
+__all__ = ["run"]
