@@ -119,19 +119,23 @@ class Peer:
             self._region = reply.meta
         return self._region
 
-    def push(self, keys, pages: torch.Tensor, *, durability: str = "sync") -> PushResult:
-        """Store ``pages[i]`` under ``keys[i]`` on the peer; returns once durable there (P1)."""
+    def push(self, keys, pages, *, durability: str = "sync") -> PushResult:
+        """Store ``pages[i]`` under ``keys[i]`` on the peer; returns once durable there (P1).
+
+        ``pages``: a contiguous host tensor [n, ...] (any dtype; each row one block), or a list
+        of n contiguous host tensors, one block each (e.g. pinned arena pages: sent in place)."""
         if durability not in DURABILITY:
             raise InvalidInput(f"durability must be one of {DURABILITY}, got {durability!r}")
         keys = list(keys)
         n = len(keys)
-        if pages.shape[0] != n:
-            raise InvalidInput(f"{n} keys but {pages.shape[0]} pages")
+        rows = _as_rows(pages)
+        if len(rows) != n:
+            raise InvalidInput(f"{n} keys but {len(rows)} pages")
         if n == 0:
             return PushResult(0, 0, self.transport.kind)
-        rows = pages if pages.dim() >= 2 else pages.reshape(n, -1)
-        data = _as_rows(rows)
-        page_bytes = data.shape[1]
+        page_bytes = rows[0].numel()
+        if any(r.numel() != page_bytes for r in rows):
+            raise InvalidInput("pages differ in size; every block of one layout has the same bytes")
         if self.peer_layout and self.peer_layout.get("page_bytes") not in (None, page_bytes):
             raise InvalidInput(
                 f"pages are {page_bytes} bytes but {self.addr} stores {self.peer_layout['page_bytes']}-byte "
@@ -142,7 +146,7 @@ class Peer:
         engine = self.uses_engine
         window = 2  # chunks in flight (P3: a landing half is reused only after its ack)
         region = None
-        registered = False
+        registered: list[torch.Tensor] = []
         if engine:
             want = (2 if n > per_chunk else 1) * per_chunk * page_bytes
             region = self._landing_region(want)
@@ -151,36 +155,43 @@ class Peer:
                 raise ReplicationError(f"{self.addr} offered a landing region smaller than one block")
             per_chunk = min(per_chunk, slots)
             window = 2 if slots >= 2 * per_chunk else 1
-            registered = self.transport.register(data)
+            seen: set[int] = set()
+            for r in rows:  # one registration per backing storage (an arena: once, ever)
+                sp = r.untyped_storage().data_ptr()
+                if sp not in seen:
+                    seen.add(sp)
+                    if self.transport.register(r):
+                        registered.append(r)
         try:
-            self._push_chunks(key_blob, data, durability, per_chunk, window, region)
+            self._push_chunks(key_blob, rows, page_bytes, durability, per_chunk, window, region)
         finally:
-            if engine and registered:
-                self.transport.unregister(data)
+            for r in registered:
+                self.transport.unregister(r)
         return PushResult(n, n * page_bytes, "mooncake" if engine else "tcp")
 
-    def _push_chunks(self, key_blob: bytes, data: torch.Tensor, durability: str, per_chunk: int,
-                     window: int, region: dict | None) -> None:
-        n, page_bytes = data.shape
+    def _push_chunks(self, key_blob: bytes, rows: list[torch.Tensor], page_bytes: int, durability: str,
+                     per_chunk: int, window: int, region: dict | None) -> None:
+        n = len(rows)
         engine = region is not None
         in_flight: deque[int] = deque()
         for chunk, start in enumerate(range(0, n, per_chunk)):
             stop = min(n, start + per_chunk)
             if len(in_flight) >= window:
                 self._wait_ack(in_flight.popleft())
-            part = data[start:stop]
-            meta = {"chunk": chunk, "page_bytes": page_bytes, "crcs": page_crcs(part), "durability": durability}
+            part = rows[start:stop]
+            meta = {"chunk": chunk, "page_bytes": page_bytes, "crcs": [native.crc32c(r.numpy()) for r in part],
+                    "durability": durability}
             ck = key_blob[start * KEY_BYTES : stop * KEY_BYTES]
             if engine:
                 offset = (chunk % window) * per_chunk * page_bytes
                 base = int(region["addr"]) + offset
-                srcs = [(part[i].data_ptr(), page_bytes) for i in range(stop - start)]
-                self.transport.write(region["transport"], srcs, [base + i * page_bytes for i in range(stop - start)])
+                srcs = [(r.data_ptr(), page_bytes) for r in part]
+                self.transport.write(region["transport"], srcs, [base + i * page_bytes for i in range(len(part))])
                 meta.update(inline=False, offset=offset)
                 self.channel.send(MsgType.PUT_BLOCKS, meta, [ck])
             else:
                 meta.update(inline=True)
-                self.channel.send(MsgType.PUT_BLOCKS, meta, [ck, part.numpy()])
+                self.channel.send(MsgType.PUT_BLOCKS, meta, [ck, *[r.numpy() for r in part]])
             in_flight.append(chunk)
         while in_flight:
             self._wait_ack(in_flight.popleft())
@@ -225,15 +236,34 @@ class Peer:
         self.channel.expect(MsgType.PONG)
 
 
-def _as_rows(rows: torch.Tensor) -> torch.Tensor:
-    if rows.device.type != "cpu":
-        raise InvalidInput(f"push sends host memory; got pages on {rows.device} (copy them to the host)")
-    if not rows.is_contiguous():
+def _as_rows(pages) -> list[torch.Tensor]:
+    """1-D uint8 views of each block (no copy); clear errors for device or strided memory."""
+    items = list(pages) if isinstance(pages, (list, tuple)) else None
+    if items is None:
+        if not isinstance(pages, torch.Tensor):
+            raise InvalidInput(f"pages must be a torch.Tensor or a list of them, got {type(pages).__name__}")
+        _check_host(pages)
+        if pages.dim() == 0:
+            raise InvalidInput("pages must have a leading block dimension")
+        flat = pages.view(torch.uint8).reshape(pages.shape[0], -1) if pages.numel() else pages.reshape(0, 0)
+        return list(flat)
+    out = []
+    for t in items:
+        if not isinstance(t, torch.Tensor):
+            raise InvalidInput(f"pages must be tensors, got {type(t).__name__}")
+        _check_host(t)
+        out.append(t.view(torch.uint8).reshape(-1))
+    return out
+
+
+def _check_host(t: torch.Tensor) -> None:
+    if t.device.type != "cpu":
+        raise InvalidInput(f"push sends host memory; got pages on {t.device} (copy them to the host)")
+    if not t.is_contiguous():
         raise InvalidInput("push needs contiguous pages (call .contiguous() first)")
-    return rows.view(torch.uint8).reshape(rows.shape[0], -1)
 
 
-def push(keys, pages: torch.Tensor, peer: str, *, secret_file=None, secret: bytes | None = None,
+def push(keys, pages, peer: str, *, secret_file=None, secret: bytes | None = None,
          durability: str = "sync", transport: Transport | str | None = None) -> PushResult:
     """One-shot push of ``pages`` under ``keys`` to ``peer`` (``host:port``); durable on return."""
     with Peer(peer, secret=secret, secret_file=secret_file, transport=transport) as p:

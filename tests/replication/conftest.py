@@ -66,12 +66,19 @@ def make_keys(n: int, tag: int) -> list[bytes]:
 class NodeProc:
     """A ``kvdb replicate serve`` subprocess (started inside the caller's namespace)."""
 
-    def __init__(self, db_path, secret_file, *, port: int = 0, transport: str = "auto", disk_bytes=None):
+    def __init__(self, db_path, secret_file, *, port: int = 0, transport: str = "auto", disk_bytes=None,
+                 wait: bool = True):
         self.db_path, self.secret_file, self.transport, self.disk_bytes = db_path, secret_file, transport, disk_bytes
         self.port = port
-        self.start()
+        self.spawn()
+        if wait:
+            self.wait_ready()
 
     def start(self) -> "NodeProc":
+        self.spawn()
+        return self.wait_ready()
+
+    def spawn(self) -> None:
         cmd = [sys.executable, "-c", "from kvdb.cli.main import cli; cli()", "replicate", "serve",
                "--db", str(self.db_path), "--listen", f"127.0.0.1:{self.port}", "--secret-file",
                str(self.secret_file), "--transport", self.transport, "--json",
@@ -80,6 +87,8 @@ class NodeProc:
         if self.disk_bytes is not None:
             cmd += ["--disk-bytes", str(self.disk_bytes)]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+
+    def wait_ready(self) -> "NodeProc":
         line = self.proc.stdout.readline()
         if not line:
             raise RuntimeError(f"node for {self.db_path} exited with {self.proc.wait()} before listening")

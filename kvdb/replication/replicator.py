@@ -1,0 +1,123 @@
+"""Replicator: everything a Db needs to share blocks across nodes, behind four calls.
+
+A Db opened with ``peers=`` / ``replicas=`` owns one Replicator and forwards to it:
+
+    db.push(keys, peer)            -> Replicator.push: pins the pages, sends them in place
+    db.sync_replicas(timeout_s)    -> Replicator.sync_replicas: waits for every follower
+    a local miss in match_prefix   -> Replicator.fetch_missing: asks the peers, stores the hits
+    db.close()                     -> Replicator.close
+
+It uses only the Db's public API except ``log_source_for`` (below), which reads the cold
+tier's log directory and durable lsn until the Db exposes them.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+
+from kvdb.errors import InvalidInput, KvdbError, ReplicationError
+from kvdb.replication.channel import load_secret
+from kvdb.replication.peer import Peer, PushResult
+from kvdb.replication.shipping import LogShipper, SegmentLogSource
+from kvdb.replication.transport import Transport
+
+
+def log_source_for(db) -> SegmentLogSource:
+    """The Db's log as a LogSource: its ``wal/`` segments, up to the writer's durable lsn (S3)."""
+    cold = getattr(db, "_cold", None)
+    if cold is None:
+        raise InvalidInput("replicas= needs the disk tier (open with disk_bytes != 0): followers are fed from the log")
+    writer = cold._writer
+    return SegmentLogSource(cold.wal_dir, durable=lambda: writer.durable_lsn)
+
+
+class Replicator:
+    def __init__(self, db, *, replicas=(), peers=(), secret_file=None, secret: bytes | None = None,
+                 transport: Transport | str | None = None, node: str | None = None) -> None:
+        self.db = db
+        self.secret = secret if secret is not None else load_secret(secret_file)
+        self.transport = transport
+        self.node = node or f"{socket.gethostname()}:{db.path}"
+        self.peer_addrs = list(peers)
+        self._lock = threading.Lock()  # guards _peers
+        self._peers: dict[str, tuple[threading.Lock, Peer]] = {}
+        self.shipper: LogShipper | None = None
+        if replicas:
+            self.shipper = LogShipper(log_source_for(db), list(replicas), self.secret,
+                                      state_dir=db.path / "replication", node=self.node,
+                                      transport=transport, page_bytes=db.layout.page_bytes).start()
+
+    # ------------------------------------------------------------------ peers
+
+    def _peer(self, addr: str) -> tuple[threading.Lock, Peer]:
+        with self._lock:
+            entry = self._peers.get(addr)
+            if entry is not None and not entry[1].channel.closed:
+                return entry
+        peer = Peer(addr, secret=self.secret, transport=self.transport, node=self.node)
+        with self._lock:
+            entry = (threading.Lock(), peer)
+            self._peers[addr] = entry
+        return entry
+
+    def _call(self, addr: str, fn):
+        lock, peer = self._peer(addr)
+        with lock:
+            try:
+                return fn(peer)
+            except ReplicationError:
+                peer.close()  # the next call reconnects
+                raise
+
+    # ------------------------------------------------------------------ the Db's calls
+
+    def push(self, keys, peer: str, *, durability: str = "sync") -> PushResult:
+        """Send the stored blocks of ``keys`` to ``peer``; returns when durable there. The pages
+        are pinned and sent from the arena in place (host tier) or copied to the host first."""
+        keys = list(keys)
+        with self.db.pin(keys) as pinned:
+            pages = [p if p.device.type == "cpu" else p.cpu() for p in pinned]
+            return self._call(peer, lambda p: p.push(keys, pages, durability=durability))
+
+    def sync_replicas(self, timeout_s: float) -> int:
+        """Wait until every follower confirmed every record durable now; returns that lsn."""
+        if self.shipper is None:
+            return 0
+        return self.shipper.sync(timeout_s)
+
+    def fetch_missing(self, keys) -> int:
+        """After a local miss: fetch the missing suffix of ``keys`` from the first peer that has
+        it, store it locally (durability none) and return how many leading keys are now local."""
+        keys = list(keys)
+        local = self.db.match_prefix(keys)
+        if local == len(keys) or not self.peer_addrs:
+            return local
+        rest = keys[local:]
+        lay = self.db.layout
+        for addr in self.peer_addrs:
+            try:
+                hits, rows = self._call(addr, lambda p: p.lookup(rest))
+            except (ReplicationError, OSError):
+                continue  # a peer that is down is a miss, not an error
+            if hits:
+                blocks = rows.view(lay.dtype).view(hits, *lay.block_shape)
+                self.db.put_blocks(rest[:hits], blocks, durability="none")
+                return local + hits
+        return local
+
+    def status(self) -> dict:
+        return {"node": self.node, "peers": list(self.peer_addrs),
+                "followers": self.shipper.status() if self.shipper is not None else []}
+
+    def close(self) -> None:
+        if self.shipper is not None:
+            self.shipper.stop()
+        with self._lock:
+            peers = list(self._peers.values())
+            self._peers.clear()
+        for _, p in peers:
+            try:
+                p.close()
+            except KvdbError:
+                pass
