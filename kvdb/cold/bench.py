@@ -62,45 +62,46 @@ def bench_bandwidth(root: str, total_bytes: int, batch_pages: int, progress=None
     nbytes = n_batches * batch_pages * page
 
     raw_path = os.path.join(root, "raw.bin")
-    fd = os.open(raw_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    t0 = time.perf_counter()
-    for _ in range(n_batches):
-        mv = memoryview(pages).cast("B")
-        while mv.nbytes:
-            mv = mv[os.write(fd, mv):]
-        os.fdatasync(fd)
-    raw_write_s = time.perf_counter() - t0
-    os.close(fd)
-    if progress:
-        progress()
-
     store = ColdStore.open(os.path.join(root, "store"), BIG, segment_bytes=1 << 30, checkpoint_bytes=1 << 40)
+    raw_write_s = write_s = raw_read_s = read_s = 0.0
     try:
-        t0 = time.perf_counter()
-        for b in range(n_batches):
-            store.put(_keys(batch_pages, b), pages, None, "group")
-        write_s = time.perf_counter() - t0
+        # batches alternate between the baseline and the store so that both see the same disk
+        fd = os.open(raw_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            for b in range(n_batches):
+                t0 = time.perf_counter()
+                mv = memoryview(pages).cast("B")
+                while mv.nbytes:
+                    mv = mv[os.write(fd, mv):]
+                os.fdatasync(fd)
+                t1 = time.perf_counter()
+                store.put(_keys(batch_pages, b), pages, None, "group")
+                t2 = time.perf_counter()
+                raw_write_s += t1 - t0
+                write_s += t2 - t1
+        finally:
+            os.close(fd)
         if progress:
             progress()
 
         out = np.empty_like(pages)
-        _drop_cache(raw_path)
-        fd = os.open(raw_path, os.O_RDONLY)
-        t0 = time.perf_counter()
-        off = 0
-        for _ in range(n_batches):
-            off += os.preadv(fd, [out], off)
-        raw_read_s = time.perf_counter() - t0
-        os.close(fd)
-        assert off == nbytes, (off, nbytes)
-
         store.flush()
+        _drop_cache(raw_path)
         _drop_dir_cache(store.wal_dir)
-        t0 = time.perf_counter()
+        fd = os.open(raw_path, os.O_RDONLY)
         hits = 0
-        for b in range(n_batches):
-            hits += sum(store.get_into(_keys(batch_pages, b), out))
-        read_s = time.perf_counter() - t0
+        try:
+            for b in range(n_batches):
+                t0 = time.perf_counter()
+                got = os.preadv(fd, [out], b * out.nbytes)
+                t1 = time.perf_counter()
+                hits += sum(store.get_into(_keys(batch_pages, b), out))
+                t2 = time.perf_counter()
+                raw_read_s += t1 - t0
+                read_s += t2 - t1
+                assert got == out.nbytes
+        finally:
+            os.close(fd)
         if progress:
             progress()
         assert hits == n_batches * batch_pages and (out == pages).all()

@@ -65,6 +65,7 @@ from kvdb.format.record import (
     RECORD_HEADER_BYTES,
     Codec,
     RecordType,
+    buffer_bytes,
     check_record,
     decode_delete,
     decode_meta,
@@ -319,6 +320,14 @@ class ColdStore:
             raise InvalidInput("a put batch names the same key twice")
         if not keys:
             return
+        self._writer.arriving(+1)
+        try:
+            last = self._encode_and_append(keys, pages, positions, namespace_id)
+        finally:
+            self._writer.arriving(-1)
+        self._make_durable(last, durability)
+
+    def _encode_and_append(self, keys, pages, positions, namespace_id: int) -> int:
         items = []
         for i, key in enumerate(keys):
             pos = NO_POSITION if positions is None or positions[i] is None else int(positions[i])
@@ -329,8 +338,7 @@ class ColdStore:
                 flags |= FLAG_SEALED
             fixed = encode_put_fixed(key, namespace_id, pos, used, flags, self.page_bytes)
             items.append((key, fixed, payload))
-        last = self._append_puts(items)
-        self._make_durable(last, durability)
+        return self._append_puts(items)
 
     def _append_puts(self, items: list) -> int:
         w = self._writer
@@ -365,7 +373,7 @@ class ColdStore:
     def _plan_evictions(self, items: list) -> tuple[list, list[bytes]]:
         """Caller holds writer.lock. Keeps live bytes <= disk_bytes: evicts oldest live blocks,
         and drops the batch's own first blocks when the batch alone is too big."""
-        sizes = [RECORD_HEADER_BYTES + len(f) + memoryview(p).nbytes for _k, f, p in items]
+        sizes = [RECORD_HEADER_BYTES + len(f) + buffer_bytes(p) for _k, f, p in items]
         keep_from, total = len(items), 0
         while keep_from > 0 and total + sizes[keep_from - 1] <= self.disk_bytes:
             keep_from -= 1

@@ -154,11 +154,18 @@ def decode_segment_header(buf: bytes) -> SegmentHeader:
 # ---------------------------------------------------------------- record header
 
 
-def encode_header(rtype: int, lsn: int, body_parts: list) -> bytes:
+def buffer_bytes(p) -> int:
+    """Byte length of a bytes-like or numpy buffer (cheaper than memoryview(p).nbytes)."""
+    n = getattr(p, "nbytes", None)
+    return len(p) if n is None else n
+
+
+def encode_header(rtype: int, lsn: int, body_parts: list, length: int | None = None) -> bytes:
     """The 17 header bytes for a body given as buffers (bytes, memoryview, numpy rows).
 
     The crc is computed over the buffers in place: no copy of a page is made here."""
-    length = sum(memoryview(p).nbytes for p in body_parts)
+    if length is None:
+        length = sum(buffer_bytes(p) for p in body_parts)
     if length >= MAX_BODY_BYTES:
         raise InvalidInput(f"record body of {length} bytes exceeds the {MAX_BODY_BYTES}-byte limit")
     tl = struct.pack("<BQ", rtype, lsn)

@@ -52,12 +52,12 @@ class OsFs:
     def open_append(self, path: str) -> int:
         return os.open(path, os.O_WRONLY | os.O_APPEND)
 
-    def writev(self, fd: int, path: str, bufs: list) -> None:
-        """Append every buffer, in order, retrying short writes."""
+    def writev(self, fd: int, path: str, bufs: list, nbytes: int | None = None) -> None:
+        """Append every buffer, in order, retrying short writes (``nbytes``: their total, if known)."""
         i = 0
         while i < len(bufs):
             chunk = bufs[i : i + IOV_MAX]
-            want = sum(memoryview(b).nbytes for b in chunk)
+            want = nbytes if nbytes is not None and len(bufs) <= IOV_MAX else sum(memoryview(b).nbytes for b in chunk)
             done = os.writev(fd, chunk)
             if done != want:
                 self._finish_short(fd, chunk, done)
@@ -170,7 +170,7 @@ class FaultFs(OsFs):
             self._track(path)
         return super().open_append(path)
 
-    def writev(self, fd: int, path: str, bufs: list) -> None:
+    def writev(self, fd: int, path: str, bufs: list, nbytes: int | None = None) -> None:
         verdict = self._point("write")
         total = sum(memoryview(b).nbytes for b in bufs)
         if verdict == "crash":
@@ -181,7 +181,7 @@ class FaultFs(OsFs):
                 self._last_write[path] = (self._written[path], total // 2)
                 self._written[path] += total // 2
             raise SimulatedCrash("crash during write")
-        super().writev(fd, path, bufs)
+        super().writev(fd, path, bufs, total)
         with self._lock:
             self._track(path)
             self._last_write[path] = (self._written[path], total)

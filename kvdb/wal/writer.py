@@ -33,10 +33,11 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from dataclasses import dataclass
 
 from kvdb.errors import DbFailedError, StorageIOError
-from kvdb.format.record import SEGMENT_HEADER_BYTES, encode_header, encode_segment_header, segment_name
+from kvdb.format.record import SEGMENT_HEADER_BYTES, buffer_bytes, encode_header, encode_segment_header, segment_name
 from kvdb.wal.fs import OsFs
 
 
@@ -76,6 +77,11 @@ class LogWriter:
         self.durable_lsn = next_lsn - 1
         self.num_fsyncs = 0
         self.closed = False
+        # writers between "about to append" and "appended" (``arriving()``); a group leader
+        # waits up to ``max_gather_s`` for them so that one fsync covers them too
+        self._arriving = 0
+        self._arriving_lock = threading.Lock()
+        self.max_gather_s = 0.0005
         try:
             if offset == 0:
                 self._active = self._create(segment_no)
@@ -141,12 +147,13 @@ class LogWriter:
         pending = 0
         try:
             for rtype, parts in records:
-                header = encode_header(rtype, self.next_lsn, parts)
-                nbytes = len(header) + sum(memoryview(p).nbytes for p in parts)
+                body_bytes = sum(buffer_bytes(p) for p in parts)
+                header = encode_header(rtype, self.next_lsn, parts, body_bytes)
+                nbytes = len(header) + body_bytes
                 seg = self._active
                 if seg.offset + pending + nbytes > self.segment_bytes and seg.offset + pending > SEGMENT_HEADER_BYTES:
                     if bufs:
-                        self.fs.writev(seg.fd, seg.path, bufs)
+                        self.fs.writev(seg.fd, seg.path, bufs, pending)
                         seg.offset += pending
                         bufs, pending = [], 0
                     self._rotate()
@@ -158,7 +165,7 @@ class LogWriter:
                 pending += nbytes
                 self.next_lsn += 1
             if bufs:
-                self.fs.writev(self._active.fd, self._active.path, bufs)
+                self.fs.writev(self._active.fd, self._active.path, bufs, pending)
                 self._active.offset += pending
         except OSError as e:
             err = StorageIOError(f"writing the log in {self.wal_dir} failed: {e}")
@@ -167,6 +174,11 @@ class LogWriter:
         return locs
 
     # -- durability
+
+    def arriving(self, delta: int) -> None:
+        """The store announces a writer on its way to ``append`` (+1) and its arrival (-1)."""
+        with self._arriving_lock:
+            self._arriving += delta
 
     def sync_to(self, lsn: int, own: bool = False) -> int:
         """Return once every record up to ``lsn`` is fsynced (W2). ``own``: fsync now, alone."""
@@ -181,6 +193,11 @@ class LogWriter:
                         self._syncing = True
                         break
                     self._cond.wait()
+        if not own and self._arriving > 0:
+            # leader: let writers already encoding or appending join this fsync (bounded wait)
+            deadline = time.perf_counter() + self.max_gather_s
+            while self._arriving > 0 and time.perf_counter() < deadline:
+                time.sleep(0)
         try:
             with self.lock:
                 self.check()
