@@ -81,9 +81,12 @@ class Replicator:
             return self._call(peer, lambda p: p.push(keys, pages, durability=durability))
 
     def sync_replicas(self, timeout_s: float) -> int:
-        """Wait until every follower confirmed every record durable now; returns that lsn."""
+        """Write back and fsync everything written so far (``db.flush``), then wait until every
+        follower confirmed it; returns the lsn they all hold."""
         if self.shipper is None:
             return 0
+        self.db.flush()
+        self.shipper.notify()
         return self.shipper.sync(timeout_s)
 
     def fetch_missing(self, keys) -> int:

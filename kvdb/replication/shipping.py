@@ -17,7 +17,7 @@ Leader follower-thread states::
 
     connecting --handshake + SHIP_POSITION--> streaming --error / drop--> disconnected
         ^                                                                      |
-        └----------------------------- backoff (0.1 s .. 2 s) -----------------┘
+        └----------------------------- backoff (0.1 s .. 1 s) -----------------┘
     AuthError -> auth_failed (retried with the longest backoff);
     follower behind the oldest retained record -> needs_reseed (stops retrying).
 
@@ -318,7 +318,7 @@ class LogShipper:
                 self._stream(f)
             except AuthError as e:
                 self._set(f, state="auth_failed", error=str(e))
-                backoff = 2.0
+                backoff = 1.0
             except _Reseed as e:
                 self._set(f, state="needs_reseed", error=str(e))
                 log.error("%s", e)
@@ -329,7 +329,7 @@ class LogShipper:
             with self._cond:
                 if not self._stopping:
                     self._cond.wait(backoff)
-            backoff = min(2.0, backoff * 2)
+            backoff = min(1.0, backoff * 2)
         self._set(f, state="stopped")
 
     def _stream(self, f: _Follower) -> None:
