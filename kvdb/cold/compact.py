@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 
+from kvdb.errors import StorageIOError
 from kvdb.format import index_value as iv
 from kvdb.format.record import SEGMENT_HEADER_BYTES, RecordType, check_record, decode_put, segment_name
 from kvdb.types import KEY_BYTES
@@ -32,8 +33,20 @@ CHUNK_BYTES = 64 << 20
 def compact(store, progress=None, *, min_dead_fraction: float = 0.0) -> dict:
     """Compact ``store``; ``progress(done_bytes, total_bytes)`` is called as live bytes move.
     Returns counts: segments_before/after, segments_deleted, records_copied, bytes_copied,
-    bytes_reclaimed, damaged_records."""
+    bytes_reclaimed, damaged_records. An I/O error fails the store (C5)."""
     store._check()
+    try:
+        return _compact(store, progress, min_dead_fraction)
+    except StorageIOError as e:
+        store._fail(e)
+        raise
+    except OSError as e:
+        err = StorageIOError(f"compaction of {store.path} failed: {e}")
+        store._fail(err)
+        raise err from e
+
+
+def _compact(store, progress, min_dead_fraction: float) -> dict:
     out = dict(records_copied=0, bytes_copied=0, damaged_records=0)
     w = store._writer
     with store._ckpt_lock:
