@@ -45,8 +45,10 @@ class Session:
 
 def as_workflow(session_id: str, workflow: Any) -> Workflow | None:
     """Accept a Workflow, a list of node dicts or {"nodes": [...]}; validate (W1, W2)."""
-    if workflow is None or isinstance(workflow, Workflow):
-        return workflow
+    if workflow is None:
+        return None
+    if isinstance(workflow, Workflow):
+        return workflow.fresh()  # replays of one parsed trace must not share progress
     if isinstance(workflow, Mapping):
         if "nodes" not in workflow:
             raise InvalidInput(f"session {session_id!r}: a workflow object needs 'nodes'")
@@ -139,7 +141,7 @@ class Planner:
         if session_id is not None:
             s = self._sessions.get(session_id)
             if s is not None and node_id is not None and s.workflow is not None and node_id in s.workflow.nodes:
-                s.workflow.mark_done(node_id)
+                s.workflow.mark_done(node_id, now)
         self._emit(CallFinished(session_id, now, node_id, agent_id, dict(hints or {})))
 
     def end_session(self, session_id: str, *, now_s: float | None = None) -> None:

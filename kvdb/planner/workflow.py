@@ -11,6 +11,11 @@ Invariants (tests cite them):
   W3  steps(n) = 0 when every dep of n is done, else 1 + max(steps(d)) over the pending deps d;
       a done node has no steps. An agent's steps are the minimum over its pending nodes and
       ``inf`` when it has none left (its blocks are the first candidates for eviction).
+  W4  marking a node done marks its ancestors done too: a node runs only after its deps, and
+      tool nodes have no call of their own to mark them.
+  W5  estimated starts: a done node ends at its done time (+ ``llm_s`` for an LLM call); a
+      pending LLM node starts at max(now, ends of its deps); a pending tool ends at
+      max(now, start + expected duration) -- an overdue tool is still running.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ class Workflow:
     nodes: dict[str, Node]
     order: list[str]  # a topological order (deps first), fixed at validation
     done: set[str] = field(default_factory=set)
+    done_s: dict[str, float] = field(default_factory=dict)  # node -> when its call was seen
 
     @classmethod
     def from_spec(cls, session_id: str, nodes: Iterable[Mapping[str, Any]], where: str = "workflow") -> "Workflow":
@@ -74,10 +80,49 @@ class Workflow:
         order = _topological_order(by_id, where)
         return cls(session_id, by_id, order)
 
-    def mark_done(self, node_id: str) -> None:
+    def fresh(self) -> "Workflow":
+        """The same DAG with no progress (a session starts from this; the declaration stays clean)."""
+        return Workflow(self.session_id, self.nodes, self.order)
+
+    def mark_done(self, node_id: str, now_s: float | None = None) -> None:
+        """W4: the node and all its ancestors are done."""
         if node_id not in self.nodes:
             raise InvalidInput(f"session {self.session_id!r}: node {node_id!r} is not in its workflow")
-        self.done.add(node_id)
+        if now_s is not None:
+            self.done_s[node_id] = now_s
+        stack = [node_id]
+        while stack:
+            nid = stack.pop()
+            if nid in self.done:
+                continue
+            self.done.add(nid)
+            stack.extend(self.nodes[nid].deps)
+
+    def agent_next_start(self, now_s: float, llm_s: float, default_tool_s: float) -> dict[str, float]:
+        """W5: each agent's earliest estimated start of a pending LLM node (inf when none)."""
+        end: dict[str, float] = {}
+        best: dict[str, float] = {n.agent_id: math.inf for n in self.nodes.values() if n.agent_id is not None}
+        for nid in self.order:
+            n = self.nodes[nid]
+            if nid in self.done:
+                t = self.done_s.get(nid)
+                if t is None:  # an implicit ancestor: it ended no later than its dependents
+                    t = max((end[d] for d in n.deps), default=0.0)
+                    end[nid] = t
+                else:
+                    end[nid] = t + (llm_s if n.kind == "llm" else 0.0)
+                continue
+            start = max((end[d] for d in n.deps), default=now_s)
+            if n.kind == "tool":
+                dur = n.expected_duration_s if n.expected_duration_s is not None else default_tool_s
+                end[nid] = max(now_s, start + dur)
+            else:
+                start = max(start, now_s)
+                end[nid] = start + llm_s
+                a = n.agent_id
+                if a is not None and start < best[a]:
+                    best[a] = start
+        return best
 
     def steps(self) -> dict[str, int]:
         """Steps to execution of every pending node (W3)."""

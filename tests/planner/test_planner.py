@@ -152,10 +152,9 @@ def test_kvdb_policy_plans_by_hint():
     r = make_policy("kvdb", 8)
     r.record_access([0, 1, 2], [1, 2, 3], AccessContext(now_s=0.0, session_id="a", hints={"expected_tool_duration_s": 100.0}))
     r.record_access([3, 4, 5], [4, 5, 6], AccessContext(now_s=0.0, session_id="b", hints={"expected_tool_duration_s": 1.0}))
-    # leaves (2, 5) are unplanned (H = 0); 2 goes first (equal keys: lower frame). It was evicted
-    # at age 0, so Tc = 0 and every plan now lies beyond Tc: planned blocks go furthest return
-    # first (a before b), deepest first within a session, before the other leaf.
-    assert [r.evict() for _ in range(6)] == [2, 1, 0, 4, 3, 5]
+    # leaves (2, 5) are unplanned with H = L = 0 (junk): first out, equal keys by lower frame;
+    # then planned blocks, furthest return first (a before b), deepest first within a session.
+    assert [r.evict() for _ in range(6)] == [2, 5, 1, 0, 4, 3]
     assert r.predicted_return("a") == 100.0
 
 

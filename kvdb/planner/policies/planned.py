@@ -33,13 +33,18 @@ from collections import OrderedDict
 from typing import Any, Hashable
 
 from kvdb.buffer_pool.replacer import AccessContext, Replacer
-from kvdb.planner.events import HintGiven, SessionEnded
+from kvdb.planner.events import CallFinished, CallStarted, HintGiven, SessionBegan, SessionEnded
+from kvdb.planner.workflow import Workflow
 
 ABSENT, LISTED, PINNED = 0, 1, 2
 VALUE_CAP = 64
 PLAN_SLACK_FACTOR = 3.0  # deadline = t_next + factor * d + PLAN_SLACK_S
 PLAN_SLACK_S = 2.0
 TC_ALPHA = 0.05  # EWMA weight of one victim's age in Tc
+LLM_CALL_S = 2.0  # assumed LLM call duration between a node's call and its dependents (W5)
+TOOL_DEFAULT_S = 10.0  # a tool's duration before any has been observed
+TOOL_ALPHA = 0.1  # EWMA weight of one observed tool wait
+REPLAN_TOLERANCE_S = 0.5
 
 
 class PlannedReplacer(Replacer):
@@ -72,6 +77,12 @@ class PlannedReplacer(Replacer):
         self._tc = math.inf
         self._now = 0.0
         self._returns: dict[str, float] = {}  # session -> predicted return (from its hints)
+        self._workflows: dict[str, Workflow] = {}
+        self._current: tuple = (None, None)  # (session, agent) of the call in progress
+        self._agent_of: list[tuple | None] = [None] * n
+        self._agent_frames: dict[tuple, set[int]] = {}
+        self._agent_plan: dict[tuple, float] = {}  # (session, agent) -> t_next it was planned for
+        self._tool_s = TOOL_DEFAULT_S
 
     def predicted_return(self, session_id: str) -> float | None:
         """When the session's next call is expected (hint-based), for prefetch; None if unknown."""
@@ -87,8 +98,8 @@ class PlannedReplacer(Replacer):
                         if self._state[g] != ABSENT and not self._planned[g]]
             heapq.heapify(self._gd)
 
-    def _set_plan(self, f: int, t_next: float, deadline: float) -> None:
-        if self._planned[f] and self._t_next[f] >= self._now and self._deadline[f] > self._now:
+    def _set_plan(self, f: int, t_next: float, deadline: float, replace: bool = False) -> None:
+        if not replace and self._planned[f] and self._t_next[f] >= self._now and self._deadline[f] > self._now:
             t_next = min(t_next, self._t_next[f])  # another session still awaits it
             deadline = max(deadline, self._deadline[f])
         self._planned[f] = 1
@@ -124,6 +135,53 @@ class PlannedReplacer(Replacer):
         if sid is not None:
             self._session_frames.setdefault(sid, set()).add(f)
 
+    def _own_agent(self, f: int, key: tuple) -> None:
+        old = self._agent_of[f]
+        if old == key:
+            return
+        if old is not None:
+            fs = self._agent_frames.get(old)
+            if fs is not None:
+                fs.discard(f)
+        self._agent_of[f] = key
+        self._agent_frames.setdefault(key, set()).add(f)
+        self._agent_plan.pop(key, None)  # its frames changed: plan again
+
+    def _replan(self, sid: str, now: float) -> None:
+        """Plan every agent's private blocks for its next node's estimated start (W5)."""
+        wf = self._workflows[sid]
+        for agent, t in wf.agent_next_start(now, LLM_CALL_S, self._tool_s).items():
+            key = (sid, agent)
+            fs = self._agent_frames.get(key)
+            if not fs:
+                continue
+            old = self._agent_plan.get(key)
+            if old is not None and (old == t or abs(old - t) <= REPLAN_TOLERANCE_S):
+                continue
+            self._agent_plan[key] = t
+            for f in sorted(fs):
+                if self._state[f] == ABSENT or self._leaf[f] or self._shared[f]:
+                    continue
+                if t == math.inf:  # the agent has nothing left to run
+                    self._h[f] = -math.inf
+                    if self._planned[f]:
+                        self._unplan(f)
+                    else:
+                        self._push_gd(f)
+                else:
+                    self._set_plan(f, t, t + PLAN_SLACK_FACTOR * (t - now) + PLAN_SLACK_S, replace=True)
+
+    def _observe_tools(self, wf: Workflow, node_id: str, now: float) -> None:
+        """Learn tool durations: a node whose dep is a tool started when that tool ended."""
+        for t in wf.nodes[node_id].deps:
+            tn = wf.nodes[t]
+            if tn.kind != "tool":
+                continue
+            starts = [wf.done_s[d] + LLM_CALL_S for d in tn.deps if d in wf.done_s]
+            if starts:
+                obs = max(0.0, now - max(starts))
+                self._tool_s += TOOL_ALPHA * (obs - self._tool_s)
+
     def _plan_for(self, hints: dict[str, Any], now: float) -> tuple[float, float] | None:
         d = hints.get("expected_tool_duration_s")
         ttl = hints.get("ttl_s")
@@ -148,6 +206,9 @@ class PlannedReplacer(Replacer):
             else:
                 self._returns.pop(sid, None)
         state, hits, ghosts = self._state, self._hits, self._ghosts
+        wf_agent = self._current if (sid is not None and self._current[0] == sid and sid in self._workflows) else None
+        if wf_agent is not None:
+            plan = None  # the workflow's estimate replaces the per-call hint (_replan at CallFinished)
         last = len(frames) - 1
         L = self._L
         for j, f in enumerate(frames):
@@ -171,6 +232,8 @@ class PlannedReplacer(Replacer):
             self._leaf[f] = leaf
             self._h[f] = L + (0 if leaf else min(n, VALUE_CAP) * prio)
             self._own(f, sid)
+            if wf_agent is not None:
+                self._own_agent(f, wf_agent)
             if plan is not None and not leaf and not self._shared[f]:
                 self._set_plan(f, plan[0], plan[1])
             else:  # an access fulfils the plan (or there was none)
@@ -180,7 +243,22 @@ class PlannedReplacer(Replacer):
                 self._push_gd(f)
 
     def on_event(self, event: Any) -> None:
-        if isinstance(event, HintGiven):
+        if isinstance(event, CallStarted):
+            self._current = (event.session_id, event.agent_id)
+            if event.now_s > self._now:
+                self._now = event.now_s
+        elif isinstance(event, SessionBegan):
+            if event.workflow is not None:
+                self._workflows[event.session_id] = event.workflow
+        elif isinstance(event, CallFinished):
+            if event.now_s > self._now:
+                self._now = event.now_s
+            sid = event.session_id
+            if sid in self._workflows:
+                if event.node_id is not None and event.node_id in self._workflows[sid].nodes:
+                    self._observe_tools(self._workflows[sid], event.node_id, self._now)
+                self._replan(sid, self._now)
+        elif isinstance(event, HintGiven):
             if event.now_s > self._now:
                 self._now = event.now_s
             plan = self._plan_for(event.hints, self._now)
@@ -200,6 +278,11 @@ class PlannedReplacer(Replacer):
             if event.now_s > self._now:
                 self._now = event.now_s
             self._returns.pop(event.session_id, None)
+            self._workflows.pop(event.session_id, None)
+            for key in [k for k in self._agent_frames if k[0] == event.session_id]:
+                for f in self._agent_frames.pop(key):
+                    self._agent_of[f] = None
+                self._agent_plan.pop(key, None)
             for f in sorted(self._session_frames.pop(event.session_id, ())):
                 self._sess[f] = None
                 if self._state[f] == ABSENT or self._shared[f]:
@@ -239,12 +322,13 @@ class PlannedReplacer(Replacer):
                 self._unplan(f)
         g = self._top(self._gd, self._ver, 0)
         p = self._top(self._plan, self._pver, 1)
-        if p is not None and (g is None or -p[0] - now > self._tc):
+        if g is not None and g[0] <= self._L:
+            f = g[-1]  # junk (a call's last block, an ended session) or aged out: first to go
+        elif p is not None and (g is None or -p[0] - now > self._tc):
             f = p[-1]
         elif g is not None:
             f = g[-1]
-            if g[0] > self._L:
-                self._L = g[0]
+            self._L = g[0]
             age = now - self._last_s[f]
             self._tc = age if self._tc == math.inf else self._tc + TC_ALPHA * (age - self._tc)
         else:
@@ -267,6 +351,15 @@ class PlannedReplacer(Replacer):
                 self._ghosts.popitem(last=False)
             self._id[f] = None
         self._hits[f] = 0
+        ak = self._agent_of[f]
+        if ak is not None:
+            afs = self._agent_frames.get(ak)
+            if afs is not None:
+                afs.discard(f)
+                if not afs:
+                    del self._agent_frames[ak]
+                    self._agent_plan.pop(ak, None)
+            self._agent_of[f] = None
         sid = self._sess[f]
         if sid is not None:
             fs = self._session_frames.get(sid)
