@@ -83,8 +83,17 @@ def recover(fs: OsFs, wal_dir: str, checkpoint: Checkpoint | None, apply, *, rep
         prev = s
         path = os.path.join(wal_dir, segment_name(s))
         is_last = s == segs[-1]
+        scan_start = start_off
         scan = scan_segment(path, s, start_off, expect, keep_records=False, on_record=on_record)
         start_off = None
+        if scan_start is not None and scan.file_bytes < scan_start:
+            # fsynced bytes (before the checkpoint) are gone: damage, and appends must not
+            # land where index entries still point
+            res.damage.append(f"segment {s} is {scan.file_bytes} bytes, shorter than its checkpoint "
+                              f"at byte {scan_start}")
+            if is_last:
+                res.segment_no, res.offset = s + 1, 0
+            continue
         for d in scan.damage:
             res.damage.append(f"segment {s} bytes {d.offset}..{d.end}: {d.what}")
         if scan.last_lsn is not None:
