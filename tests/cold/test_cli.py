@@ -1,0 +1,80 @@
+"""kvdb verify / compact / wal dump / bench cold: exit codes, --json shapes, exact counts."""
+
+from __future__ import annotations
+
+import json
+
+from click.testing import CliRunner
+
+from kvdb.cli.main import cli
+from kvdb.cold import ColdStore
+
+from cold_fixtures import TINY, key, pages_for, write_manifest
+
+
+def run(*args):
+    return CliRunner().invoke(cli, list(args))
+
+
+def make(path, n=10, deleted=4):
+    write_manifest(path)
+    keys = [key(i) for i in range(n)]
+    with ColdStore.open(path, TINY, segment_bytes=1024, flush_interval_s=None) as s:
+        s.put(keys, pages_for(keys), list(range(n)), "group")
+        s.delete(keys[:deleted])
+        s.put_metadata("session", b"s1", b"x")
+    return keys
+
+
+def test_wal_dump_lists_every_record(tmp_path):
+    make(tmp_path)
+    r = run("wal", "dump", str(tmp_path), "--json")
+    assert r.exit_code == 0, r.output
+    rows = json.loads(r.stdout)
+    types = [row["type"] for row in rows]
+    assert types.count("PUT_BLOCK") == 10 and types.count("DELETE") == 1 and types.count("SESSION") == 1
+    assert types[-1] == "CHECKPOINT"
+    assert [row["lsn"] for row in rows] == list(range(1, len(rows) + 1))
+    first = rows[0]
+    assert (first["segment"], first["offset"], first["key"], first["position"], first["raw_bytes"]) == \
+        (1, 32, key(0).hex(), 0, TINY.page_bytes)
+    delete = next(row for row in rows if row["type"] == "DELETE")
+    assert delete["keys"] == [key(i).hex() for i in range(4)]
+    text = run("wal", "dump", str(tmp_path))
+    assert text.exit_code == 0 and len(text.stdout.splitlines()) == len(rows)
+    one = run("wal", "dump", str(tmp_path), "--segment", "2", "--json")
+    assert {row["segment"] for row in json.loads(one.stdout)} == {2}
+    assert run("wal", "dump", str(tmp_path), "--segment", "99").exit_code == 1
+    assert run("wal", "dump", str(tmp_path / "nope")).exit_code == 2  # usage: no such directory
+
+
+def test_verify_clean_and_compact(tmp_path):
+    keys = make(tmp_path)
+    r = run("verify", str(tmp_path), "--json")
+    assert r.exit_code == 0, r.output
+    rep = json.loads(r.stdout)
+    assert rep["ok"] and rep["entries"] == 6 and rep["problems"] == []
+    r = run("compact", str(tmp_path), "--json")
+    assert r.exit_code == 0, r.output
+    res = json.loads(r.stdout)
+    assert res["segments_deleted"] >= 1 and res["segments_after"] < res["segments_before"]
+    assert json.loads(run("verify", str(tmp_path), "--json").stdout)["entries"] == 6
+    with ColdStore.open(tmp_path, TINY, flush_interval_s=None) as s:
+        assert s.contains(keys) == [False] * 4 + [True] * 6
+
+
+def test_verify_without_a_manifest_is_a_runtime_error(tmp_path):
+    r = run("verify", str(tmp_path))
+    assert r.exit_code == 1 and "MANIFEST" in r.output
+
+
+def test_bench_cold_json_reports_every_figure(tmp_path):
+    r = run("bench", "cold", "--json", "--dir", str(tmp_path), "--total-mib", "8", "--batch-pages", "2",
+            "--threads", "2", "--ops", "10", "--recovery-mib", "4")
+    assert r.exit_code == 0, r.output
+    res = json.loads(r.stdout)
+    for k in ("raw_write_gbps", "write_gbps", "raw_read_gbps", "read_gbps", "group_commit_ops_s", "sync_ops_s",
+              "write_vs_raw", "read_vs_raw", "group_vs_sync", "recovery_s", "goals"):
+        assert k in res, k
+    assert res["bytes"] == 8 << 20 and res["recovery_ok"] is True
+    assert list(tmp_path.iterdir()) == []  # scratch files removed
