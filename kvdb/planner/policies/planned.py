@@ -79,8 +79,9 @@ class PlannedReplacer(Replacer):
         self._returns: dict[str, float] = {}  # session -> predicted return (from its hints)
         self._workflows: dict[str, Workflow] = {}
         self._current: tuple = (None, None)  # (session, agent) of the call in progress
-        self._agent_of: list[tuple | None] = [None] * n
-        self._agent_frames: dict[tuple, set[int]] = {}
+        self._inc = array("q", [0]) * n  # incarnation: bumped each time the frame is freed
+        self._plan_owner: list[tuple | None] = [None] * n  # (session, agent) whose estimate planned it
+        self._agent_chain: dict[tuple, list[tuple[int, int]]] = {}  # agent -> (frame, inc) of its last call
         self._agent_plan: dict[tuple, float] = {}  # (session, agent) -> t_next it was planned for
         self._tool_s = TOOL_DEFAULT_S
 
@@ -135,41 +136,41 @@ class PlannedReplacer(Replacer):
         if sid is not None:
             self._session_frames.setdefault(sid, set()).add(f)
 
-    def _own_agent(self, f: int, key: tuple) -> None:
-        old = self._agent_of[f]
-        if old == key:
-            return
-        if old is not None:
-            fs = self._agent_frames.get(old)
-            if fs is not None:
-                fs.discard(f)
-        self._agent_of[f] = key
-        self._agent_frames.setdefault(key, set()).add(f)
-        self._agent_plan.pop(key, None)  # its frames changed: plan again
+    def _replan(self, sid: str, now: float, changed: tuple | None = None) -> None:
+        """Plan each agent's last chain for its next node's estimated start (W5).
 
-    def _replan(self, sid: str, now: float) -> None:
-        """Plan every agent's private blocks for its next node's estimated start (W5)."""
+        A block in several agents' chains (a shared prompt) keeps the earliest estimate; the
+        agent that set it owns the plan and may move it later. ``changed`` names the agent
+        whose chain was just replaced (it is planned whatever its estimate did).
+        """
         wf = self._workflows[sid]
         for agent, t in wf.agent_next_start(now, LLM_CALL_S, self._tool_s).items():
             key = (sid, agent)
-            fs = self._agent_frames.get(key)
-            if not fs:
+            chain = self._agent_chain.get(key)
+            if not chain:
                 continue
             old = self._agent_plan.get(key)
-            if old is not None and (old == t or abs(old - t) <= REPLAN_TOLERANCE_S):
+            if key != changed and old is not None and (old == t or abs(old - t) <= REPLAN_TOLERANCE_S):
                 continue
             self._agent_plan[key] = t
-            for f in sorted(fs):
-                if self._state[f] == ABSENT or self._leaf[f] or self._shared[f]:
+            deadline = t + PLAN_SLACK_FACTOR * (t - now) + PLAN_SLACK_S
+            for f, inc in chain:
+                if self._inc[f] != inc or self._state[f] == ABSENT or self._leaf[f]:
                     continue
-                if t == math.inf:  # the agent has nothing left to run
-                    self._h[f] = -math.inf
-                    if self._planned[f]:
-                        self._unplan(f)
-                    else:
-                        self._push_gd(f)
-                else:
-                    self._set_plan(f, t, t + PLAN_SLACK_FACTOR * (t - now) + PLAN_SLACK_S, replace=True)
+                owned = self._plan_owner[f] == key
+                live = self._planned[f] and self._deadline[f] > now
+                if t == math.inf:
+                    if owned or not live:
+                        self._plan_owner[f] = None
+                        if not self._shared[f]:
+                            self._h[f] = -math.inf  # nothing left to run for its only user
+                        if self._planned[f]:
+                            self._unplan(f)
+                        else:
+                            self._push_gd(f)
+                elif owned or not live or t < self._t_next[f]:
+                    self._plan_owner[f] = key
+                    self._set_plan(f, t, deadline, replace=True)
 
     def _observe_tools(self, wf: Workflow, node_id: str, now: float) -> None:
         """Learn tool durations: a node whose dep is a tool started when that tool ended."""
@@ -210,6 +211,9 @@ class PlannedReplacer(Replacer):
         if wf_agent is not None:
             plan = None  # the workflow's estimate replaces the per-call hint (_replan at CallFinished)
         last = len(frames) - 1
+        if wf_agent is not None:
+            inc = self._inc
+            self._agent_chain[wf_agent] = [(f, inc[f]) for f in frames]
         L = self._L
         for j, f in enumerate(frames):
             bid = ids[j] if ids is not None else None
@@ -232,11 +236,13 @@ class PlannedReplacer(Replacer):
             self._leaf[f] = leaf
             self._h[f] = L + (0 if leaf else min(n, VALUE_CAP) * prio)
             self._own(f, sid)
-            if wf_agent is not None:
-                self._own_agent(f, wf_agent)
             if plan is not None and not leaf and not self._shared[f]:
                 self._set_plan(f, plan[0], plan[1])
+            elif (self._planned[f] and self._deadline[f] > now and self._plan_owner[f] is not None
+                  and self._plan_owner[f] != wf_agent):
+                pass  # another agent's plan for a shared block: it still stands
             else:  # an access fulfils the plan (or there was none)
+                self._plan_owner[f] = None
                 if self._planned[f]:
                     self._planned[f] = 0
                     self._pver[f] += 1
@@ -257,7 +263,7 @@ class PlannedReplacer(Replacer):
             if sid in self._workflows:
                 if event.node_id is not None and event.node_id in self._workflows[sid].nodes:
                     self._observe_tools(self._workflows[sid], event.node_id, self._now)
-                self._replan(sid, self._now)
+                self._replan(sid, self._now, changed=(sid, event.agent_id))
         elif isinstance(event, HintGiven):
             if event.now_s > self._now:
                 self._now = event.now_s
@@ -279,9 +285,8 @@ class PlannedReplacer(Replacer):
                 self._now = event.now_s
             self._returns.pop(event.session_id, None)
             self._workflows.pop(event.session_id, None)
-            for key in [k for k in self._agent_frames if k[0] == event.session_id]:
-                for f in self._agent_frames.pop(key):
-                    self._agent_of[f] = None
+            for key in [k for k in self._agent_chain if k[0] == event.session_id]:
+                del self._agent_chain[key]
                 self._agent_plan.pop(key, None)
             for f in sorted(self._session_frames.pop(event.session_id, ())):
                 self._sess[f] = None
@@ -351,15 +356,8 @@ class PlannedReplacer(Replacer):
                 self._ghosts.popitem(last=False)
             self._id[f] = None
         self._hits[f] = 0
-        ak = self._agent_of[f]
-        if ak is not None:
-            afs = self._agent_frames.get(ak)
-            if afs is not None:
-                afs.discard(f)
-                if not afs:
-                    del self._agent_frames[ak]
-                    self._agent_plan.pop(ak, None)
-            self._agent_of[f] = None
+        self._inc[f] += 1
+        self._plan_owner[f] = None
         sid = self._sess[f]
         if sid is not None:
             fs = self._session_frames.get(sid)
