@@ -91,7 +91,8 @@ class Channel:
         self.sock = sock
         self.peer = peer
         self.peer_node = ""
-        self.peer_meta: dict = {}
+        self.peer_meta: dict = {}  # the peer's WELCOME (client side)
+        self.local_meta: dict = {}  # the WELCOME this side sent (server side)
         self._send_key = HANDSHAKE_KEY
         self._recv_key = HANDSHAKE_KEY
         self._send_seq = 0  # next sequence number to send; guarded by _send_lock
@@ -299,5 +300,6 @@ def accept(sock: socket.socket, peer: str, secret: bytes, welcome: dict, *, time
     ch.peer_node = str(hello.meta.get("node", ""))
     ch._switch_keys(_mac(secret, b"kvdb-s2c", nc, ns), _mac(secret, b"kvdb-c2s", nc, ns))
     ch.send(MsgType.WELCOME, welcome)
+    ch.local_meta = welcome
     sock.settimeout(None)
     return ch

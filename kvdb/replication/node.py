@@ -17,8 +17,8 @@ Connection states::
 Invariants:
   N1. A PUT_ACK is sent only after ``put_blocks`` returned for every block of its chunk, with
       the durability the sender asked for (peer.py P1).
-  N2. A chunk whose landed bytes fail their CRC-32C is rejected whole (ERROR{CORRUPT}); nothing of
-      it is stored; the sender's push raises.
+  N2. A chunk whose landed bytes fail their XXH3-128 digests is rejected whole (ERROR{CORRUPT});
+      nothing of it is stored; the sender's push raises.
   N3. Any failure on one connection closes that connection only; the node keeps serving.
 """
 
@@ -32,13 +32,14 @@ import torch
 
 from kvdb.errors import AuthError, InvalidInput, KvdbError, NotFound, ReplicationError
 from kvdb.replication.channel import Channel, accept, parse_addr
-from kvdb.replication.peer import DURABILITY, decode_keys, page_crcs
+from kvdb.replication.peer import DURABILITY, block_digests, decode_keys
 from kvdb.replication.protocol import ErrorCode, Message, MsgType
 from kvdb.replication.transport import Region, Transport, get_transport
 
 log = logging.getLogger("kvdb.replication")
 
 DEFAULT_REGION_MAX_BYTES = 256 << 20  # landing memory one connection may ask for
+_FREE_REGIONS = 2  # released landing regions kept registered for the next connections
 
 
 class NodeServer:
@@ -64,6 +65,7 @@ class NodeServer:
             self.transport = get_transport(transport, local_host=te_host)
         self._lock = threading.Lock()  # guards counters and _channels
         self._channels: set[Channel] = set()
+        self._free_regions: list[Region] = []  # landing regions of closed connections, for reuse
         self.counters = {"connections": 0, "auth_failures": 0, "corrupt_frames": 0, "blocks_received": 0,
                          "bytes_received": 0, "lookups": 0, "blocks_served": 0, "errors": 0}
         self._stopping = False
@@ -170,7 +172,7 @@ class NodeServer:
             with self._lock:
                 self._channels.discard(ch)
             if region is not None:
-                self.transport.close_region(region)
+                self._release_region(region)
 
     def _dispatch(self, ch: Channel, msg: Message, region: Region | None) -> Region | None:
         t = msg.type
@@ -187,22 +189,33 @@ class NodeServer:
         elif t == MsgType.SHIP_HELLO:
             if self.sink is None:
                 raise _Refuse(ErrorCode.INVALID, f"node {self.node} is not configured as a follower")
-            self.sink.serve_stream(ch, msg, self.transport, self.region_max_bytes)
+            self.sink.serve_stream(ch, msg, self._open_region_raw, self._release_region)
         else:
             raise _Refuse(ErrorCode.PROTOCOL, f"unexpected message {t.name}")
         return region
 
     def _open_region_raw(self, nbytes: int) -> Region:
-        if not 0 < nbytes <= self.region_max_bytes:
-            nbytes = min(max(nbytes, 1), self.region_max_bytes)
+        nbytes = min(max(nbytes, 1), self.region_max_bytes)
+        with self._lock:  # reuse a released region: registered and already faulted in
+            for i, r in enumerate(self._free_regions):
+                if r.nbytes >= nbytes:
+                    return self._free_regions.pop(i)
         return self.transport.open_region(nbytes)
+
+    def _release_region(self, region: Region) -> None:
+        with self._lock:
+            self._free_regions.append(region)
+            if len(self._free_regions) <= _FREE_REGIONS:
+                return
+            region = self._free_regions.pop(0)
+        self.transport.close_region(region)
 
     def _open_region(self, ch: Channel, msg: Message, region: Region | None) -> Region:
         want = msg.meta.get("bytes")
         if not isinstance(want, int) or want <= 0:
             raise _Refuse(ErrorCode.PROTOCOL, f"OPEN_REGION asks for {want!r} bytes")
         if region is not None:
-            self.transport.close_region(region)
+            self._release_region(region)
         region = self._open_region_raw(want)
         ch.send(MsgType.REGION, {"transport": self.transport.descriptor(), "addr": region.addr,
                                  "bytes": region.nbytes})
@@ -211,11 +224,10 @@ class NodeServer:
     def _put_blocks(self, ch: Channel, msg: Message, region: Region | None) -> None:
         lay = self.db.layout
         m = msg.meta
-        crcs = m.get("crcs")
+        n = m.get("blocks")
         durability = m.get("durability", "sync")
-        if not isinstance(crcs, list) or not crcs or durability not in DURABILITY:
-            raise _Refuse(ErrorCode.PROTOCOL, "PUT_BLOCKS needs crcs and a valid durability")
-        n = len(crcs)
+        if not isinstance(n, int) or n <= 0 or durability not in DURABILITY:
+            raise _Refuse(ErrorCode.PROTOCOL, "PUT_BLOCKS needs a block count and a valid durability")
         page = lay.page_bytes
         if m.get("page_bytes") != page:
             raise _Refuse(ErrorCode.INVALID, f"blocks of {m.get('page_bytes')} bytes pushed to node "
@@ -232,11 +244,14 @@ class NodeServer:
                     or off + n * page > region.nbytes:
                 raise _Refuse(ErrorCode.PROTOCOL, "PUT_BLOCKS names bytes outside this connection's landing region")
             rows = region.tensor[off : off + n * page].reshape(n, page)
-        got = page_crcs(rows)
-        if got != crcs:
-            bad = [i for i, (a, b) in enumerate(zip(got, crcs)) if a != b]
-            raise _Refuse(ErrorCode.CORRUPT, f"{len(bad)} of {n} landed blocks fail their CRC-32C "
-                                             f"(first: block {bad[0]}); nothing of this chunk was stored")
+            digests = m.get("digests")
+            if not isinstance(digests, list) or len(digests) != n:
+                raise _Refuse(ErrorCode.PROTOCOL, "PUT_BLOCKS through the engine needs one digest per block")
+            got = block_digests(rows)
+            if got != digests:
+                bad = [i for i, (a, b) in enumerate(zip(got, digests)) if a != b]
+                raise _Refuse(ErrorCode.CORRUPT, f"{len(bad)} of {n} landed blocks fail their XXH3-128 digest "
+                                                 f"(first: block {bad[0]}); nothing of this chunk was stored")
         blocks = rows.view(lay.dtype).view(n, *lay.block_shape)
         try:
             self.db.put_blocks(keys, blocks, durability=durability)
@@ -265,8 +280,7 @@ class NodeServer:
             return
         rows = out.view(torch.uint8).reshape(hits, lay.page_bytes)
         self._count("blocks_served", hits)
-        ch.send(MsgType.LOOKUP_REPLY, {"hits": hits, "page_bytes": lay.page_bytes, "crcs": page_crcs(rows)},
-                [rows.numpy()])
+        ch.send(MsgType.LOOKUP_REPLY, {"hits": hits, "page_bytes": lay.page_bytes}, [rows.numpy()])
 
     def status(self) -> dict:
         with self._lock:

@@ -3,7 +3,7 @@
 Push (prefill node -> decode node), over one authenticated channel::
 
     OPEN_REGION {bytes}            ->   REGION {transport, addr, bytes}   (landing memory)
-    TE write chunk 0 -> half A;  PUT_BLOCKS {offsets, crcs} + keys   ->
+    TE write chunk 0 -> half A;  PUT_BLOCKS {offset, digests} + keys ->
     TE write chunk 1 -> half B;  PUT_BLOCKS ...                      ->
                                    <-   PUT_ACK chunk 0   (durable on the peer)
     TE write chunk 2 -> half A (only after chunk 0's ack) ...
@@ -16,9 +16,13 @@ two-chunks-in-flight window applies.
 Invariants:
   P1. ``push`` returns only after the peer acknowledged every chunk, and the peer acknowledges a
       chunk only after ``put_blocks`` with the requested durability returned there.
-  P2. The peer stores a block only if its bytes match the CRC-32C the sender computed from the
-      source (carried in the HMAC-tagged PUT_BLOCKS); otherwise nothing of that chunk is stored
-      and the push raises ``ReplicationError``.
+  P2. A block that crossed the engine is stored only if its bytes match the XXH3-128 digest
+      the sender computed from the source (carried in the HMAC-tagged PUT_BLOCKS); otherwise
+      nothing of that chunk is stored and the push raises ``ReplicationError``. Inline blocks
+      are covered by the frame's HMAC itself. XXH3 rather than CRC-32C: ~3x faster here, and on
+      2 cores every byte hashed is taken from the transfer (crc32c held push at 0.6x the
+      engine's write, the goal is 0.8x). It guards against damage, not against an attacker who
+      can write into registered memory: the engine's port must be on a trusted fabric.
   P3. A chunk's landing half is rewritten only after that chunk's ack (no torn reuse).
 """
 
@@ -28,8 +32,8 @@ from collections import deque
 from dataclasses import dataclass
 
 import torch
+import xxhash
 
-from kvdb import native
 from kvdb.errors import InvalidInput, ReplicationError
 from kvdb.replication.channel import connect, load_secret
 from kvdb.replication.protocol import MsgType
@@ -56,10 +60,9 @@ def decode_keys(blob, n: int) -> list[bytes]:
     return [raw[i * KEY_BYTES : (i + 1) * KEY_BYTES] for i in range(n)]
 
 
-def page_crcs(pages_2d: torch.Tensor) -> list[int]:
-    """CRC-32C of each row of a [n, page_bytes] uint8 tensor (one native call per block)."""
-    arr = pages_2d.numpy()
-    return [native.crc32c(arr[i]) for i in range(arr.shape[0])]
+def block_digests(rows) -> list[str]:
+    """XXH3-128 (hex) of each block: rows of a [n, page_bytes] uint8 tensor or a list of 1-D ones."""
+    return [xxhash.xxh3_128_hexdigest(r.numpy()) for r in rows]
 
 
 @dataclass
@@ -179,18 +182,20 @@ class Peer:
             if len(in_flight) >= window:
                 self._wait_ack(in_flight.popleft())
             part = rows[start:stop]
-            meta = {"chunk": chunk, "page_bytes": page_bytes, "crcs": [native.crc32c(r.numpy()) for r in part],
-                    "durability": durability}
+            meta = {"chunk": chunk, "blocks": len(part), "page_bytes": page_bytes, "durability": durability}
             ck = key_blob[start * KEY_BYTES : stop * KEY_BYTES]
             if engine:
                 offset = (chunk % window) * per_chunk * page_bytes
                 base = int(region["addr"]) + offset
                 srcs = [(r.data_ptr(), page_bytes) for r in part]
-                self.transport.write(region["transport"], srcs, [base + i * page_bytes for i in range(len(part))])
+                handle = self.transport.write_async(region["transport"], srcs,
+                                                    [base + i * page_bytes for i in range(len(part))])
+                meta["digests"] = block_digests(part)  # overlaps the transfer
+                self.transport.wait(handle)
                 meta.update(inline=False, offset=offset)
                 self.channel.send(MsgType.PUT_BLOCKS, meta, [ck])
             else:
-                meta.update(inline=True)
+                meta.update(inline=True)  # the frame's HMAC covers the data
                 self.channel.send(MsgType.PUT_BLOCKS, meta, [ck, *[r.numpy() for r in part]])
             in_flight.append(chunk)
         while in_flight:
@@ -206,7 +211,8 @@ class Peer:
 
     def lookup(self, keys, *, fetch: bool = True) -> tuple[int, torch.Tensor | None]:
         """Longest prefix of ``keys`` the peer holds and, with ``fetch``, those blocks as
-        a [hits, page_bytes] uint8 tensor (CRC-checked; the caller views it in its layout)."""
+        a [hits, page_bytes] uint8 tensor (the caller views it in its layout). The blocks come
+        inline in the HMAC-tagged reply."""
         keys = list(keys)
         self.channel.send(MsgType.LOOKUP, {"keys": len(keys), "fetch": bool(fetch)}, [encode_keys(keys)])
         reply = self.channel.expect(MsgType.LOOKUP_REPLY)
@@ -219,11 +225,7 @@ class Peer:
         blob = reply.blob
         if blob.nbytes != hits * page_bytes:
             raise ReplicationError(f"{self.addr} sent {blob.nbytes} bytes for {hits} blocks of {page_bytes}")
-        out = torch.frombuffer(blob, dtype=torch.uint8).reshape(hits, page_bytes)
-        crcs = page_crcs(out)
-        if crcs != list(reply.meta.get("crcs", [])):
-            raise ReplicationError(f"blocks fetched from {self.addr} fail their CRC-32C check")
-        return hits, out
+        return hits, torch.frombuffer(blob, dtype=torch.uint8).reshape(hits, page_bytes)
 
     # ------------------------------------------------------------------ status
 

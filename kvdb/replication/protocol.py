@@ -61,15 +61,16 @@ class MsgType(enum.IntEnum):
 
     OPEN_REGION = 10  # client -> server: {"bytes"}: ask for a landing region for bulk data
     REGION = 11  # server -> client: {"transport": descriptor, "addr", "bytes"}
-    PUT_BLOCKS = 12  # client -> server: {"offsets", "crcs", "durability", "inline"}; blob: keys [+ data]
+    PUT_BLOCKS = 12  # client -> server: {"chunk", "blocks", "page_bytes", "durability", "inline",
+    #                  "offset", "digests"}; blob: keys [+ data when inline]
     PUT_ACK = 13  # server -> client: {"blocks", "seq"}: durable on the server
 
-    LOOKUP = 20  # client -> server: {"get"}; blob: keys: longest cached prefix (and its blocks)
-    LOOKUP_REPLY = 21  # server -> client: {"hits", "crcs", "inline"}; blob: [data]
+    LOOKUP = 20  # client -> server: {"keys", "fetch"}; blob: keys: longest stored prefix (and its blocks)
+    LOOKUP_REPLY = 21  # server -> client: {"hits", "page_bytes"}; blob: the hit blocks' bytes
 
-    SHIP_HELLO = 30  # leader -> follower: {"leader", "last_lsn"}
-    SHIP_POSITION = 31  # follower -> leader: {"applied_lsn"}
-    SHIP_RECORDS = 32  # leader -> follower: {"lsns", "offsets", "lengths", "crcs", "inline"}
+    SHIP_HELLO = 30  # leader -> follower: {"leader", "durable_lsn", "page_bytes", "region_bytes"}
+    SHIP_POSITION = 31  # follower -> leader: {"applied_lsn", "region"}
+    SHIP_RECORDS = 32  # leader -> follower: {"first_lsn", "last_lsn", "bytes", "inline", "offset"}
     SHIP_ACK = 33  # follower -> leader: {"applied_lsn"}: durable on the follower
 
     PING = 40  # either way: {}

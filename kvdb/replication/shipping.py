@@ -38,7 +38,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import struct
 import threading
 import time
 from collections import deque
@@ -48,18 +47,25 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from kvdb.cold.codec import decode_page
 from kvdb.errors import AuthError, CorruptionError, KvdbError, ReplicationError
 from kvdb.format.record import (
     FLAG_SEALED,
+    RECORD_HEADER,
     RECORD_HEADER_BYTES,
+    SEGMENT_HEADER_BYTES,
     RecordType,
     check_record,
     decode_delete,
     decode_put,
+    decode_segment_header,
+    parse_segment_name,
+    segment_name,
 )
 from kvdb.replication.channel import Channel, connect
 from kvdb.replication.protocol import ErrorCode, Message, MsgType
 from kvdb.replication.transport import Region, Transport, get_transport
+from kvdb.wal.reader import map_file, scan_segment
 
 log = logging.getLogger("kvdb.replication")
 
@@ -122,94 +128,130 @@ class LogSource(Protocol):
 
 
 class SegmentLogSource:
-    """Reads a log directory of segment files (kvdb/format/record.py) with kvdb.wal.reader.
+    """Reads a log directory of segment files (layout: kvdb/format/record.py).
 
-    ``durable`` is a callable returning the writer's durable lsn (S3); without it, everything
-    readable counts as durable (a log that is not being written, or one just recovered).
+    Records are found by walking record headers (no checksum work here: the follower checks
+    every record's crc32c before applying it) and handed out as read-only views of the
+    segment's mmap, so a batch is copied once, into the send buffer or the socket. A cursor
+    remembers where the last read stopped; a reconnect at another lsn walks headers from the
+    segment whose header's first_lsn covers it.
+
+    ``durable`` is a callable returning the writer's durable lsn (S3); without it, every
+    intact record counts as durable (a log not being written, or one just recovered).
     """
 
     def __init__(self, wal_dir, durable=None) -> None:
         self.wal_dir = str(wal_dir)
         self._durable = durable
-        self._lock = threading.Lock()  # guards _cursor
-        # (segment_no, byte offset after the last record read, next lsn) of the last read
-        self._cursor: tuple[int, int, int] | None = None
+        self._lock = threading.Lock()  # guards _cursor and _maps
+        self._cursor: tuple[int, int, int] | None = None  # (segment_no, offset, lsn of the record there)
+        self._maps: dict[int, object] = {}  # segment_no -> mmap of the file as of its last map
 
     def _segments(self) -> list[int]:
-        from kvdb.format.record import parse_segment_name
-
         try:
             names = os.listdir(self.wal_dir)
         except FileNotFoundError:
             return []
         return sorted(n for n in (parse_segment_name(x) for x in names) if n is not None)
 
-    def _scan(self, seg: int, start=None, expect=None):
-        from kvdb.format.record import segment_name
-        from kvdb.wal.reader import scan_segment
+    def _map(self, seg: int, need_bytes: int):
+        """The segment's bytes, remapped when the file grew past the old map (None if gone)."""
+        m = self._maps.get(seg)
+        if m is None or len(m) < need_bytes:
+            try:
+                m = map_file(os.path.join(self.wal_dir, segment_name(seg)))
+            except FileNotFoundError:
+                self._maps.pop(seg, None)
+                return None
+            self._maps[seg] = m
+        return m
 
-        return scan_segment(os.path.join(self.wal_dir, segment_name(seg)), seg, start=start, expect_lsn=expect)
+    def _header_first_lsn(self, seg: int) -> int | None:
+        m = self._map(seg, SEGMENT_HEADER_BYTES)
+        if m is None or len(m) < SEGMENT_HEADER_BYTES:
+            return None
+        try:
+            return decode_segment_header(m[:SEGMENT_HEADER_BYTES]).first_lsn
+        except CorruptionError:
+            return None
 
     def durable_lsn(self) -> int:
         if self._durable is not None:
             return int(self._durable())
-        segs = self._segments()
-        for seg in reversed(segs):
-            scan = self._scan(seg)
+        for seg in reversed(self._segments()):
+            scan = scan_segment(os.path.join(self.wal_dir, segment_name(seg)), seg, keep_records=False)
             if scan.last_lsn is not None:
                 return scan.last_lsn
         return 0
 
     def first_lsn(self) -> int:
-        for seg in self._segments():
-            scan = self._scan(seg)
-            if scan.first_lsn is not None:
-                return scan.first_lsn
+        with self._lock:
+            for seg in self._segments():
+                first = self._header_first_lsn(seg)
+                if first is not None:
+                    return first
         return self.durable_lsn() + 1
+
+    def _locate(self, segs: list[int], lsn: int) -> tuple[int, int] | None:
+        """(segment, offset) of the record with ``lsn``, walking headers; None if not in the log."""
+        cur = self._cursor
+        if cur is not None and cur[2] == lsn and cur[0] in segs:
+            return cur[0], cur[1]
+        start = None
+        for seg in segs:
+            first = self._header_first_lsn(seg)
+            if first is not None and first <= lsn:
+                start = seg
+        if start is None:
+            return None
+        for seg in segs[segs.index(start):]:
+            m = self._map(seg, 0)
+            off = SEGMENT_HEADER_BYTES
+            while m is not None and off + RECORD_HEADER_BYTES <= len(m):
+                length, _crc, _t, rec_lsn = RECORD_HEADER.unpack_from(m, off)
+                if rec_lsn == lsn:
+                    return seg, off
+                if rec_lsn > lsn:
+                    return None
+                off += RECORD_HEADER_BYTES + length
+        return None
 
     def read_records(self, after_lsn: int, max_bytes: int, upto_lsn: int) -> list[tuple[int, memoryview]]:
         out: list[tuple[int, memoryview]] = []
-        total = 0
         with self._lock:
-            cur = self._cursor
-        segs = self._segments()
-        start_seg, start_off = None, None
-        if cur is not None and cur[2] == after_lsn + 1 and cur[0] in segs:
-            start_seg, start_off = cur[0], cur[1]
-        for seg in segs:
-            if start_seg is not None and seg < start_seg:
-                continue
-            scan = self._scan(seg, start=start_off if seg == start_seg else None,
-                              expect=after_lsn + 1 if seg == start_seg else None)
-            end = scan.end
-            for rec in scan.records:
-                if rec.lsn <= after_lsn:
+            segs = self._segments()
+            loc = self._locate(segs, after_lsn + 1)
+            if loc is None:
+                if after_lsn + 1 <= upto_lsn:
+                    raise CorruptionError(f"log {self.wal_dir} has no record {after_lsn + 1} (compacted away "
+                                          "or damaged); the follower must be re-seeded")
+                return out
+            seg, off = loc
+            lsn, total = after_lsn + 1, 0
+            while lsn <= upto_lsn:
+                m = self._map(seg, off + RECORD_HEADER_BYTES)
+                if m is None or off + RECORD_HEADER_BYTES > len(m):
+                    nxt = [s for s in segs if s > seg]
+                    if not nxt:
+                        break
+                    seg, off = nxt[0], SEGMENT_HEADER_BYTES
                     continue
-                if rec.lsn > upto_lsn or (out and total + rec.record_bytes > max_bytes):
-                    self._remember(seg, rec.offset, rec.lsn)
-                    return out
-                if rec.lsn != after_lsn + 1 + len(out):
-                    raise CorruptionError(f"log {self.wal_dir} has lsn {rec.lsn} where "
-                                          f"{after_lsn + 1 + len(out)} was expected (records missing)")
-                buf = _record_bytes(rec)
-                out.append((rec.lsn, buf))
-                total += rec.record_bytes
-            if out:
-                self._remember(seg, end, out[-1][0] + 1)
+                length, _crc, _t, rec_lsn = RECORD_HEADER.unpack_from(m, off)
+                nbytes = RECORD_HEADER_BYTES + length
+                if rec_lsn != lsn:
+                    raise CorruptionError(f"log {self.wal_dir} has lsn {rec_lsn} where {lsn} was expected "
+                                          f"(segment {seg}, offset {off})")
+                if out and total + nbytes > max_bytes:
+                    break
+                m = self._map(seg, off + nbytes)
+                out.append((lsn, memoryview(m)[off : off + nbytes]))
+                total += nbytes
+                off += nbytes
+                lsn += 1
+            self._cursor = (seg, off, lsn)
+            for old in [k for k in self._maps if k not in segs]:
+                self._maps.pop(old, None)  # deleted segments: the map goes when its views do
         return out
-
-    def _remember(self, seg: int, offset: int, next_lsn: int) -> None:
-        with self._lock:
-            self._cursor = (seg, offset, next_lsn)
-
-
-def _record_bytes(rec) -> memoryview:
-    """A copy of the exact on-disk bytes of a record that ``check_record`` returned."""
-    src = getattr(rec.body, "obj", None)
-    if src is not None:
-        return memoryview(bytes(memoryview(src)[rec.offset : rec.offset + rec.record_bytes]))
-    head = struct.pack("<IIBQ", len(rec.body), rec.crc, rec.rtype, rec.lsn)
-    return memoryview(head + bytes(rec.body))
 
 
 # ---------------------------------------------------------------- leader side: shipping
@@ -314,6 +356,7 @@ class LogShipper:
     def _run(self, f: _Follower) -> None:
         backoff = 0.1
         while not self._stopping:
+            connects = f.connects
             try:
                 self._stream(f)
             except AuthError as e:
@@ -326,6 +369,8 @@ class LogShipper:
             except (ReplicationError, OSError, KvdbError) as e:
                 self._set(f, state="disconnected", error=str(e))
                 log.info("log stream to %s: %s", f.addr, e)
+            if f.connects > connects and f.state == "disconnected":
+                backoff = 0.1  # it was streaming: retry soon
             with self._cond:
                 if not self._stopping:
                     self._cond.wait(backoff)
@@ -494,63 +539,64 @@ class LogSink:
             return self._applied
 
     def _apply_records(self, recs) -> bool:
-        """Apply records in lsn order, batching runs of PUTs; True when a DELETE was applied."""
+        """Apply records in lsn order, one put_blocks per run of PUTs (pages decoded straight
+        into one preallocated batch); True when a DELETE was applied."""
         lay = self.db.layout
         page = lay.page_bytes
         durability = "group" if self.durable else "none"
-        keys, pos, rows = [], [], []
         deleted = False
-
-        def flush_puts():
-            if not keys:
-                return
-            pages = torch.from_numpy(np.stack(rows)) if len(rows) > 1 else torch.from_numpy(rows[0][None])
-            self.db.put_blocks(list(keys), pages.view(lay.dtype).view(len(keys), *lay.block_shape),
-                               positions=[max(p, 0) for p in pos] if any(p >= 0 for p in pos) else None,
-                               durability=durability)
-            self.counters["puts"] += len(keys)
-            keys.clear(), pos.clear(), rows.clear()
-
-        for r in recs:
-            self.counters["records"] += 1
+        i = 0
+        while i < len(recs):
+            r = recs[i]
             if r.rtype == RecordType.PUT_BLOCK:
-                p = decode_put(r.body)
-                if p.flags & FLAG_SEALED:
-                    raise ReplicationError(f"record {r.lsn} is sealed (encryption at rest); followers of an "
-                                           "encrypted leader are not supported yet")
-                if p.raw_bytes != page:
-                    raise ReplicationError(f"record {r.lsn} holds a {p.raw_bytes}-byte page; this follower "
-                                           f"stores {page}-byte pages (another layout)")
-                row = np.empty(page, dtype=np.uint8)
-                from kvdb.cold.codec import decode_page
-
-                decode_page(p.payload, p.codec, lay.itemsize, row)
-                keys.append(p.key)
-                pos.append(p.position)
-                rows.append(row)
-            elif r.rtype == RecordType.DELETE:
-                flush_puts()
+                j = i
+                while j < len(recs) and recs[j].rtype == RecordType.PUT_BLOCK:
+                    j += 1
+                batch = np.empty((j - i, page), dtype=np.uint8)
+                keys, pos = [], []
+                for row, rec in enumerate(recs[i:j]):
+                    p = decode_put(rec.body)
+                    if p.flags & FLAG_SEALED:
+                        raise ReplicationError(f"record {rec.lsn} is sealed (encryption at rest); followers of "
+                                               "an encrypted leader are not supported yet")
+                    if p.raw_bytes != page:
+                        raise ReplicationError(f"record {rec.lsn} holds a {p.raw_bytes}-byte page; this follower "
+                                               f"stores {page}-byte pages (another layout)")
+                    decode_page(p.payload, p.codec, lay.itemsize, batch[row])
+                    keys.append(p.key)
+                    pos.append(p.position)
+                blocks = torch.from_numpy(batch).view(lay.dtype).view(j - i, *lay.block_shape)
+                positions = [max(x, 0) for x in pos] if any(x >= 0 for x in pos) else None
+                self.db.put_blocks(keys, blocks, positions=positions, durability=durability)
+                self.counters["puts"] += j - i
+                self.counters["records"] += j - i
+                i = j
+                continue
+            if r.rtype == RecordType.DELETE:
                 self.db.delete(decode_delete(r.body))
                 self.counters["deletes"] += 1
                 deleted = True
             else:
                 self.counters["skipped"] += 1
-        flush_puts()
+            self.counters["records"] += 1
+            i += 1
         return deleted
 
-    def serve_stream(self, ch: Channel, hello: Message, transport: Transport, region_max_bytes: int) -> None:
-        """Run one leader's stream on an accepted connection until it closes."""
+    def serve_stream(self, ch: Channel, hello: Message, open_region, release_region) -> None:
+        """Run one leader's stream on an accepted connection until it closes; ``open_region(n)``
+        / ``release_region(r)`` lend landing memory (the node's pool)."""
         self.leader = str(hello.meta.get("leader") or ch.peer_node)
-        want = min(int(hello.meta.get("region_bytes") or 0), region_max_bytes)
+        want = int(hello.meta.get("region_bytes") or 0)
         reply = {"applied_lsn": self._applied}
-        region = transport.open_region(want) if want > 0 else None
+        region = open_region(want) if want > 0 else None
         try:
             if region is not None and region.tensor is not None:
-                reply["region"] = {"transport": transport.descriptor(), "addr": region.addr, "bytes": region.nbytes}
+                reply["region"] = {"transport": ch.local_meta.get("transport"), "addr": region.addr,
+                                   "bytes": region.nbytes}
             self._serve(ch, reply, region)
         finally:
             if region is not None:
-                transport.close_region(region)
+                release_region(region)
 
     def _serve(self, ch: Channel, reply: dict, region: Region | None) -> None:
         ch.send(MsgType.SHIP_POSITION, reply)

@@ -9,10 +9,10 @@ imports) drives the Mooncake Transfer Engine: each node initialises one engine w
 region with the engine and names it in a REGION reply (``{"kind": "mooncake", "session":
 "host:rpc_port"}`` plus the address); the sender registers its source memory (the caller's
 pages tensor or the host arena, once, not a copy) and issues one batched one-sided write, then
-sends a small authenticated control message with each block's CRC-32C. The engine itself has no
-authentication: anyone who can reach its port may write into registered memory, so a node only
-trusts landed bytes whose CRC matches the HMAC-tagged control message, and the engine's port must
-stay on a trusted fabric (docs/replication.md).
+sends a small authenticated control message with each block's XXH3-128 digest. The engine itself
+has no authentication: anyone who can reach its port may write into registered memory, so a node
+only stores landed bytes whose digest matches the HMAC-tagged control message, and the engine's
+port must stay on a trusted fabric (docs/replication.md).
 
 ``TcpTransport`` is for platforms without the wheel: the bytes travel inline in the
 HMAC-tagged control frame itself (``"inline": true``), sent straight from the source memory with
@@ -88,9 +88,16 @@ class Transport(ABC):
     def can_write_to(self, peer: dict | None) -> bool:
         return False
 
-    def write(self, peer: dict, srcs: list[tuple[int, int]], dst_addrs: list[int]) -> None:
-        """One-sided synchronous write of each (ptr, nbytes) source to the matching address."""
+    def write_async(self, peer: dict, srcs: list[tuple[int, int]], dst_addrs: list[int]):
+        """Start a one-sided write of each (ptr, nbytes) source to the matching peer address."""
         raise ReplicationError(f"the {self.kind} transport cannot write into peer memory")
+
+    def wait(self, handle) -> None:
+        """Block until the write ``handle`` names is complete; ReplicationError if it failed."""
+
+    def write(self, peer: dict, srcs: list[tuple[int, int]], dst_addrs: list[int]) -> None:
+        """One-sided synchronous write."""
+        self.wait(self.write_async(peer, srcs, dst_addrs))
 
     def close(self) -> None:
         pass
@@ -177,18 +184,33 @@ class MooncakeTransport(Transport):
         if region.tensor is not None:
             self.unregister(region.tensor)
 
-    def write(self, peer: dict, srcs: list[tuple[int, int]], dst_addrs: list[int]) -> None:
+    def write_async(self, peer: dict, srcs: list[tuple[int, int]], dst_addrs: list[int]) -> list[int]:
+        """Submit the write and return at once (batch ids for ``wait``): the caller overlaps
+        CPU work -- digests of the same blocks -- with the transfer."""
         target = peer["session"]
+        ids = []
         for i in range(0, len(srcs), _TE_BATCH_ENTRIES):
             part = srcs[i : i + _TE_BATCH_ENTRIES]
-            rc = self.engine.batch_transfer_sync_write(
+            bid = self.engine.batch_transfer_async_write(
                 target, [p for p, _ in part], dst_addrs[i : i + _TE_BATCH_ENTRIES], [n for _, n in part]
             )
-            if rc != 0:
-                raise ReplicationError(
-                    f"Transfer Engine write of {len(part)} ranges to {target} failed (rc={rc}); "
-                    "the peer may have restarted or dropped its landing region"
-                )
+            if not bid:
+                if ids:
+                    self.engine.get_batch_transfer_status(ids)
+                raise ReplicationError(f"Transfer Engine could not submit a write of {len(part)} ranges to "
+                                       f"{target}; the peer may be down")
+            ids.append(bid)
+        return [target, *ids]
+
+    def wait(self, handle: list) -> None:
+        target, ids = handle[0], handle[1:]
+        if ids and self.engine.get_batch_transfer_status(ids) != 0:
+            raise ReplicationError(
+                f"Transfer Engine write to {target} failed; the peer may have restarted or dropped its landing region"
+            )
+
+    def write(self, peer: dict, srcs: list[tuple[int, int]], dst_addrs: list[int]) -> None:
+        self.wait(self.write_async(peer, srcs, dst_addrs))
 
     def close(self) -> None:
         with self._lock:

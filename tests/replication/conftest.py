@@ -9,7 +9,6 @@ namespace is entered by the test's thread, so node servers started from it (thre
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys

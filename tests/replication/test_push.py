@@ -12,7 +12,6 @@ import torch
 import kvdb
 from kvdb.errors import AuthError, InvalidInput, ReplicationError
 from kvdb.replication import NodeServer, Peer
-from kvdb.replication.protocol import MsgType
 from kvdb.replication.transport import MooncakeTransport
 
 from .conftest import LAYOUT, SECRET, TRANSPORTS, make_blocks, make_keys, needs_te
@@ -110,23 +109,24 @@ def test_memory_only_peer_refuses_sync_durability(server):
 class _FlipOneByte(MooncakeTransport):
     """Fault injection: the engine delivers the first block with one byte changed."""
 
-    def write(self, peer, srcs, dst_addrs):
+    def write_async(self, peer, srcs, dst_addrs):
         ptr, n = srcs[0]
         src = np.ctypeslib.as_array(ctypes.cast(ptr, ctypes.POINTER(ctypes.c_uint8)), (n,))
         bad = torch.from_numpy(src.copy())
         bad[n // 2] ^= 0xFF
         self.register(bad)
-        super().write(peer, [(bad.data_ptr(), n)] + srcs[1:], dst_addrs)
+        self.keep = bad
+        return super().write_async(peer, [(bad.data_ptr(), n)] + srcs[1:], dst_addrs)
 
 
 @needs_te
 @pytest.mark.parametrize("server", ["mooncake"], indirect=True)
 def test_block_damaged_by_the_engine_is_rejected(server):
     # Scenario: the data plane corrupts one byte of block 0 of a 3-block chunk (N2): the peer
-    # checks CRC-32C before storing, refuses the chunk whole, and the push raises.
+    # checks each block's XXH3-128 digest before storing, refuses the chunk whole, and the push raises.
     keys = make_keys(3, tag=5)
     p = Peer(server.address, secret=SECRET, transport=_FlipOneByte("127.0.0.1"))
-    with pytest.raises(ReplicationError, match="1 of 3 landed blocks fail their CRC-32C"):
+    with pytest.raises(ReplicationError, match="1 of 3 landed blocks fail their XXH3-128 digest"):
         p.push(keys, make_blocks(3, seed=5), durability="none")
     p.close()
     assert server.db.match_prefix(keys) == 0
