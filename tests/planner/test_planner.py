@@ -198,3 +198,46 @@ def test_cli_sim_gen_json(tmp_path):
     assert res.exit_code == 0 and [r["policy"] for r in json.loads(res.output)] == ["kvdb", "tokencake"]
     res = runner.invoke(cli, ["sim", str(trace), "--policy", "nope", "--capacity", "3"])
     assert res.exit_code == 2
+
+
+
+def test_mark_done_w4_and_next_start_w5():
+    wf = Workflow.from_spec("s", DAG)
+    wf.mark_done("p", 10.0)
+    # p ends at 12 (llm 2 s): a starts at 12, ends 14; tool t 14-44; b 44-46; g at 46
+    assert wf.agent_next_start(10.0, 2.0, 5.0) == {"c": 46.0, "w": 12.0}
+    wf.mark_done("b", 50.0)  # W4: a and the tool t are done too
+    assert wf.done == {"p", "a", "t", "b"}
+    assert wf.agent_next_start(50.0, 2.0, 5.0) == {"c": 52.0, "w": math.inf}
+    # a tool without an expected duration takes the default; an overdue one is still running
+    wf2 = Workflow.from_spec("s", [{"id": "a", "agent_id": "w"}, {"id": "t", "kind": "tool", "deps": ["a"]},
+                                   {"id": "b", "agent_id": "w", "deps": ["t"]}])
+    wf2.mark_done("a", 0.0)
+    assert wf2.agent_next_start(1.0, 2.0, 5.0) == {"w": 7.0}
+    assert wf2.agent_next_start(20.0, 2.0, 5.0) == {"w": 20.0}
+
+
+def test_sessions_start_from_a_fresh_workflow():
+    wf = Workflow.from_spec("s", DAG)
+    p = Planner(clock=lambda: 0.0)
+    p.begin_session("s", workflow=wf)
+    p.call_started("s", node_id="p")
+    p.call_finished("s", node_id="p")
+    assert p.workflow_of("s").done == {"p"} and wf.done == set()  # the declaration stays clean
+
+
+def test_kvdb_plans_an_agent_for_its_next_node():
+    # Scenario: 16 frames; agent w's chain (3 blocks) is planned for its next node (start 12 s);
+    # c's chain for g (46 s). Under pressure c's blocks (further) go before w's, deepest first.
+    r = make_policy("kvdb", 16)
+    p = Planner([r], clock=lambda: 0.0)
+    p.begin_session("s", workflow=DAG)
+    ctx, _ = p.call_started("s", node_id="p", now_s=10.0)
+    r.record_access([0, 1, 2, 3], ["c0", "c1", "c2", "cleaf"], ctx)
+    p.call_finished("s", node_id="p", now_s=10.0)
+    ctx, _ = p.call_started("s", node_id="a", now_s=12.0)
+    r.record_access([4, 5, 6, 7], ["w0", "w1", "w2", "wleaf"], ctx)
+    p.call_finished("s", node_id="a", now_s=12.0)
+    assert r.predicted_return("s") is None  # no hint: only the workflow plans
+    # estimates at 12 s: w's b at 44 (a ends 14, tool 30 s), c's g at 46
+    assert [r.evict() for _ in range(8)] == [3, 7, 2, 1, 0, 6, 5, 4]  # leaves (junk), then c, then w
