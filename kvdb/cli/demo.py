@@ -25,7 +25,7 @@ def _need_transformers() -> None:
 @click.option("--prompt-tokens", default=8192, show_default=True, help="prompt length")
 @click.option("--stored-fraction", default=7 / 8, show_default=True, type=float, help="share of the prompt stored")
 @click.option("--block-tokens", default=16, show_default=True)
-@click.option("--repeats", default=3, show_default=True, help="rounds; each figure is the best round")
+@click.option("--repeats", default=5, show_default=True, help="rounds; each figure is the best round")
 @click.option("--data-dir", type=click.Path(file_okay=False), default=None, help="default: a temporary directory")
 @json_option
 def bench_ttft_cmd(prompt_tokens: int, stored_fraction: float, block_tokens: int, repeats: int,
@@ -40,7 +40,7 @@ def bench_ttft_cmd(prompt_tokens: int, stored_fraction: float, block_tokens: int
 
     if repeats < 1:
         raise click.BadParameter("must be >= 1", param_hint="--repeats")
-    with progress(repeats + 1, "bench ttft", enabled=not as_json) as advance:
+    with progress(repeats, "bench ttft", enabled=not as_json) as advance:
         res = bench_ttft(prompt_tokens_n=prompt_tokens, stored_fraction=stored_fraction, block_tokens=block_tokens,
                          repeats=repeats, data_dir=data_dir, progress=advance)
     emit(res, as_json)
