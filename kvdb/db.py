@@ -254,7 +254,7 @@ class Db:
         # the background mover: one thread, so moves apply in submission order
         self._mover = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvdb-mover")
         self._room_pending = False
-        self._device_free_target = max(1, int(device_frames * device_free_fraction)) if device_frames else 0
+        self._device_free_target = int(device_frames * device_free_fraction)
         self._cold = None
         if disk_bytes != 0:
             self._cold = self._open_cold(disk_bytes, codec, encryption_key_file)
@@ -532,27 +532,37 @@ class Db:
     def contains(self, key) -> bool:
         return self.match_prefix([key]) == 1 if key is not None else False
 
+    def _read_disk(self, keys: list[bytes]) -> tuple[np.ndarray, list[bool]]:
+        """Read keys from the disk tier into a staging buffer; found[i] False = absent or corrupt."""
+        buf = np.empty((len(keys), self.layout.page_bytes), dtype=np.uint8)
+        if self._cold is None or not keys:
+            return buf, [False] * len(keys)
+        found = self._cold_call(self._cold.get_into, keys, buf)
+        self._reads[2] += sum(found)
+        return buf, found
+
+    def _promote_from_disk(self, keys: list[bytes], buf: np.ndarray) -> None:
+        """Place pages read from disk in the host tier (clean: they are on disk already)."""
+        rows = list({k: i for i, k in reversed(list(enumerate(keys)))}.values())  # first row of each key
+        if len(rows) != len(keys):
+            keys, buf = [keys[i] for i in rows], buf[rows]
+        if keys:
+            self.pool.insert(keys, torch.from_numpy(buf), [-1] * len(keys), dirty=False, start_tier=HOST)
+
     def _load_from_disk(self, keys: list[bytes]) -> tuple[list[bytes], list[bytes]]:
         """Read keys from the disk tier into memory (promotion). Returns (loaded, missing)."""
-        if self._cold is None or not keys:
-            return [], list(keys)
-        buf = np.empty((len(keys), self.layout.page_bytes), dtype=np.uint8)
-        found = self._cold_call(self._cold.get_into, keys, buf)
+        buf, found = self._read_disk(keys)
         ok = [i for i, f in enumerate(found) if f]
-        missing = [keys[i] for i, f in enumerate(found) if not f]
-        if ok:
-            loaded = [keys[i] for i in ok]
-            pages = torch.from_numpy(buf[ok] if len(ok) != len(keys) else buf)
-            self.pool.insert(loaded, pages, [-1] * len(loaded), dirty=False, start_tier=HOST)
-            self._reads[2] += len(loaded)
-            return loaded, missing
-        return [], missing
+        loaded = [keys[i] for i in ok]
+        self._promote_from_disk(loaded, buf[ok] if len(ok) != len(keys) else buf)
+        return loaded, [keys[i] for i, f in enumerate(found) if not f]
 
     def get_blocks(self, keys, out: torch.Tensor) -> None:
         """Copy the blocks of ``keys`` into ``out[:len(keys)]`` bit-exact; NotFound names absent keys.
 
         ``out``: a preallocated tensor [>= len(keys), *layout.block_shape] of the layout dtype
         on the CPU or the device tier's device. Nothing is written when a key is missing.
+        Blocks read from disk go straight into ``out`` and are then promoted to the host tier.
         """
         self._check()
         keys = normalize_keys(keys)
@@ -561,47 +571,67 @@ class Db:
         with self._lock:
             self._check()
             table = self.pool.table
-            absent = [k for k in keys if k not in table]
-            if absent:
-                _, missing = self._load_from_disk(absent)
-                if missing:
+            codes = [table.get(k) for k in keys]
+            absent_rows = [i for i, c in enumerate(codes) if c is None]
+            if absent_rows:
+                absent = [keys[i] for i in absent_rows]
+                buf, found = self._read_disk(absent)
+                if not all(found):
+                    missing = [k for k, f in zip(absent, found) if not f]
                     raise NotFound(f"{len(missing)} of {n} keys are not stored (or failed their checksum): "
                                    f"{_describe_keys(missing)}")
             per_tier: list[tuple[list, list]] = [([], []), ([], [])]
-            for i, k in enumerate(keys):
-                code = table[k]
-                fr, rows = per_tier[code & 1]
-                fr.append(code >> 1)
-                rows.append(i)
+            for i, c in enumerate(codes):
+                if c is not None:
+                    fr, rows = per_tier[c & 1]
+                    fr.append(c >> 1)
+                    rows.append(i)
             for t, (fr, rows) in zip(self.pool.tiers, per_tier):
                 if fr:
                     t.arena.read(fr, dst, rows)
                     self._reads[t.index] += len(fr)
-            self.pool.touch(keys)
+            if absent_rows:
+                staged = torch.from_numpy(buf)
+                rows_t = torch.as_tensor(absent_rows, dtype=torch.long, device=dst.device)
+                dst.index_copy_(0, rows_t, staged.to(dst.device, non_blocking=False))
+                self.pool.touch([k for k, c in zip(keys, codes) if c is not None])
+                self._promote_from_disk(absent, buf)
+            else:
+                self.pool.touch(keys)
 
     def pin(self, keys) -> PinnedPages:
-        """Pin keys' pages in memory and return zero-copy views (a context manager)."""
+        """Pin keys' pages in memory and return zero-copy views (a context manager).
+
+        Keys on disk are loaded into the host tier first; CapacityError when they cannot all be
+        resident at once (every other frame pinned, or more keys than frames).
+        """
         self._check()
         keys = normalize_keys(keys)
         with self._lock:
             self._check()
-            absent = [k for k in keys if k not in self.pool.table]
-            if absent:
-                _, missing = self._load_from_disk(absent)
-                if missing:
-                    raise NotFound(f"cannot pin {len(missing)} keys that are not stored: {_describe_keys(missing)}")
-            handles = []
+            handles: dict[int, tuple[Tier, int]] = {}
             try:
-                for k in keys:
-                    handles.append(self.pool.pin(k))
+                for i, k in enumerate(keys):  # resident pages first, so loading cannot evict them
+                    if k in self.pool.table:
+                        handles[i] = self.pool.pin(k)
+                absent_rows = [i for i in range(len(keys)) if i not in handles]
+                if absent_rows:
+                    loaded, missing = self._load_from_disk([keys[i] for i in absent_rows])
+                    if missing:
+                        raise NotFound(f"cannot pin {len(missing)} keys that are not stored: {_describe_keys(missing)}")
+                    for i in absent_rows:
+                        if keys[i] not in self.pool.table:
+                            raise CapacityError(f"cannot pin {len(keys)} pages at once: not enough unpinned frames")
+                        handles[i] = self.pool.pin(keys[i])
             except BaseException:
-                for t, f in handles:
+                for t, f in handles.values():
                     self.pool.unpin(t, f)
                 raise
+            ordered = [handles[i] for i in range(len(keys))]
             lay = self.layout
-            pages = [t.arena.page(f).view(lay.dtype).view(lay.block_shape) for t, f in handles]
+            pages = [t.arena.page(f).view(lay.dtype).view(lay.block_shape) for t, f in ordered]
             self.pool.touch(keys)
-        return PinnedPages(self, handles, pages)
+        return PinnedPages(self, ordered, pages)
 
     def _unpin(self, handles) -> None:
         with self._lock:

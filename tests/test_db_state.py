@@ -1,11 +1,15 @@
 """Hypothesis state machine: the Db against a dict model, with tiny capacities (STYLE.md "Tests").
 
-Memory-only Db (disk tier off): evicted blocks are gone, so the model tracks what *may* be
-stored; the checks are that nothing is ever wrong rather than that nothing is ever lost:
+DbMachine -- memory-only Db (disk tier off): evicted blocks are gone, so the model tracks what
+*may* be stored; the checks are that nothing is ever wrong rather than that nothing is ever lost:
   - a key the Db reports present returns exactly the bytes last put under it;
   - a key never put is never reported present; match_prefix never runs past a key never put;
   - pinned pages are never evicted (pool invariant P3); their views keep their bytes;
   - resident pages never exceed any tier's capacity (P4); page table and frames agree (P1, P2).
+
+DiskDbMachine -- the same with the disk tier on (unbounded): nothing is ever lost, so the model
+is exact: match_prefix equals the model's prefix, every stored key reads back exactly, also
+after close and reopen (write-back of durability="none" pages at close).
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from __future__ import annotations
 import tempfile
 
 import torch
-from hypothesis import strategies as st
+from hypothesis import settings, strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, invariant, precondition, rule
 
 import kvdb
@@ -23,6 +27,8 @@ NUM_KEYS = 12
 
 
 class DbMachine(RuleBasedStateMachine):
+    DISK = False
+
     def __init__(self) -> None:
         super().__init__()
         self.tmp = tempfile.TemporaryDirectory()
@@ -33,7 +39,8 @@ class DbMachine(RuleBasedStateMachine):
     def open(self, host_pages, device_pages, replacer):
         self.db = kvdb.open(self.tmp.name, layout=LAYOUT, model_id="m", host_bytes=host_pages * LAYOUT.page_bytes,
                             device_bytes=device_pages * LAYOUT.page_bytes, device="cpu", replacer=replacer,
-                            disk_bytes=0)
+                            disk_bytes=None if self.DISK else 0)
+        self.open_args = (host_pages, device_pages, replacer)
         self.keys = self.db.block_keys(list(range(NUM_KEYS * LAYOUT.block_tokens)))
         self.model: dict[bytes, torch.Tensor] = {}  # key -> bytes last put (may have been evicted since)
         self.pins: list[tuple[list[int], kvdb.PinnedPages, torch.Tensor]] = []
@@ -44,6 +51,8 @@ class DbMachine(RuleBasedStateMachine):
         return torch.full((1, *LAYOUT.block_shape), float(self.counter))
 
     def _present(self, i: int) -> bool:
+        if self.DISK:
+            return self.keys[i] in self.model
         return self.keys[i] in self.db.pool.table
 
     @rule(idx=st.lists(st.integers(0, NUM_KEYS - 1), min_size=1, max_size=5, unique=True))
@@ -81,7 +90,7 @@ class DbMachine(RuleBasedStateMachine):
         n = self.db.match_prefix(keys)
         expect = 0
         for k in keys:
-            if k not in self.db.pool.table:
+            if not (k in self.model if self.DISK else k in self.db.pool.table):
                 break
             expect += 1
         assert n == expect
@@ -92,7 +101,15 @@ class DbMachine(RuleBasedStateMachine):
     def pin(self, idx):
         if not all(self._present(i) for i in idx):
             return
-        p = self.db.pin([self.keys[i] for i in idx])
+        before = [list(t.pins) for t in self.db.pool.tiers if t is not None]
+        try:
+            p = self.db.pin([self.keys[i] for i in idx])
+        except kvdb.errors.CapacityError:
+            # disk pages load into the host tier; when they cannot all be resident at once the
+            # pin fails whole: no pin may leak
+            assert self.DISK
+            assert [list(t.pins) for t in self.db.pool.tiers if t is not None] == before
+            return
         self.pins.append((idx, p, torch.stack([t.clone() for t in p.pages])))
 
     @rule(data=st.data())
@@ -109,7 +126,19 @@ class DbMachine(RuleBasedStateMachine):
         if pinned:
             return
         self.db.delete([self.keys[i]])
-        assert not self._present(i)
+        self.model.pop(self.keys[i], None)
+        assert self.keys[i] not in self.db.pool.table
+        assert self.db.match_prefix([self.keys[i]]) == 0
+
+    @rule()
+    @precondition(lambda self: self.db is not None and self.DISK and not self.pins)
+    def reopen(self):
+        self.db.close()
+        host_pages, device_pages, replacer = self.open_args
+        self.db = kvdb.open(self.tmp.name, host_bytes=host_pages * LAYOUT.page_bytes,
+                            device_bytes=device_pages * LAYOUT.page_bytes, device="cpu", replacer=replacer)
+        assert self.db.block_keys(list(range(NUM_KEYS * LAYOUT.block_tokens))) == self.keys
+        assert all(self.db.match_prefix([k]) == 1 for k in self.model)
 
     @invariant()
     def pinned_pages_stay(self):
@@ -147,4 +176,13 @@ class DbMachine(RuleBasedStateMachine):
         self.tmp.cleanup()
 
 
+class DiskDbMachine(DbMachine):
+    DISK = True
+
+
 TestDbMachine = DbMachine.TestCase
+TestDiskDbMachine = DiskDbMachine.TestCase
+# every example opens RocksDB and a log: fewer, longer runs in the ci profile
+TestDiskDbMachine.settings = settings(
+    max_examples=max(15, settings.default.max_examples // 3), stateful_step_count=40
+)
