@@ -163,6 +163,8 @@ def test_bad_inputs_are_typed_and_lose_nothing(tmp_path):
             db.put_blocks(keys[:1], good)  # counts differ
         with pytest.raises(InvalidInput, match="contiguous"):
             db.put_blocks(keys, good.transpose(3, 4).contiguous().transpose(3, 4))
+        with pytest.raises(InvalidInput, match="meta"):  # a device no arena of this Db lives on
+            db.put_blocks(keys, torch.empty(good.shape, device="meta"))
         with pytest.raises(InvalidInput, match="torch.Tensor"):
             db.put_blocks(keys, good.numpy())
         with pytest.raises(InvalidInput, match="16 bytes"):
