@@ -1,5 +1,7 @@
 """Compaction: garbage collection of log segments that hold dead blocks (evicted, deleted,
-overwritten).
+overwritten, TTL-expired).
+
+First, blocks whose TTL record has passed are deleted (``expire``).
 
 For every sealed segment (never the active one) holding dead bytes, the records of its live
 blocks are copied to the head of the log -- the body bytes unchanged (sealed payloads stay
@@ -20,6 +22,8 @@ most one chunk.
 from __future__ import annotations
 
 import os
+import struct
+import time
 
 from kvdb.errors import StorageIOError
 from kvdb.format import index_value as iv
@@ -30,13 +34,33 @@ from kvdb.wal.recovery import list_segments
 CHUNK_BYTES = 64 << 20
 
 
-def compact(store, progress=None, *, min_dead_fraction: float = 0.0) -> dict:
+def expire(store, now_ns: int | None = None) -> int:
+    """Delete live blocks whose TTL record (name = block key, value = expires_at_unix_ns u64)
+    has passed, and drop those TTL entries. Returns how many blocks were deleted."""
+    now_ns = time.time_ns() if now_ns is None else now_ns
+    expired = []
+    for name, value in store._index.items(iv.record_meta_key(RecordType.TTL, b"")):
+        if len(name) == KEY_BYTES and len(value) == 8 and struct.unpack("<Q", value)[0] <= now_ns:
+            expired.append(name)
+    if not expired:
+        return 0
+    n = store.delete(expired, durability="group")
+    for name in expired:
+        store.put_metadata("ttl", name, b"", durability="none")
+    store.flush()
+    return n
+
+
+def compact(store, progress=None, *, min_dead_fraction: float = 0.0, now_ns: int | None = None) -> dict:
     """Compact ``store``; ``progress(done_bytes, total_bytes)`` is called as live bytes move.
     Returns counts: segments_before/after, segments_deleted, records_copied, bytes_copied,
     bytes_reclaimed, damaged_records. An I/O error fails the store (C5)."""
     store._check()
     try:
-        return _compact(store, progress, min_dead_fraction)
+        expired = expire(store, now_ns)
+        out = _compact(store, progress, min_dead_fraction)
+        out["ttl_expired"] = expired
+        return out
     except StorageIOError as e:
         store._fail(e)
         raise

@@ -792,10 +792,11 @@ class ColdStore:
                            "torn_bytes": r.torn_bytes, "damage": len(r.damage)}
         return out
 
-    def compact(self, progress=None) -> dict:
+    def compact(self, progress=None, now_ns: int | None = None) -> dict:
+        """Delete TTL-expired blocks, then garbage-collect segments (kvdb/cold/compact.py)."""
         from kvdb.cold.compact import compact
 
-        return compact(self, progress)
+        return compact(self, progress, now_ns=now_ns)
 
     def verify(self, progress=None):
         from kvdb.cold.verify import verify

@@ -235,3 +235,19 @@ def test_compaction_reclaims_dead_segments(tmp_path):
         found, out = read(s, keys[30:])
         assert all(found) and (out == pages_for(keys[30:])).all()
         assert s.verify().ok
+
+
+def test_compaction_deletes_ttl_expired_blocks(tmp_path):
+    # Scenario: keys 0..3 with TTLs 100, 200, 300 ns and none; compaction at now=250 drops 0 and 1.
+    keys = [key(i) for i in range(4)]
+    with open_store(tmp_path) as s:
+        s.put(keys, pages_for(keys), None, "group")
+        for i, t in enumerate((100, 200, 300)):
+            s.put_metadata("ttl", keys[i], t.to_bytes(8, "little"))
+        res = s.compact(now_ns=250)
+        assert res["ttl_expired"] == 2
+        assert s.contains(keys) == [False, False, True, True]
+        assert s.find_metadata("ttl", keys[0]) is None
+        assert s.find_metadata("ttl", keys[2]) == (300).to_bytes(8, "little")
+    with open_store(tmp_path) as s:
+        assert s.contains(keys) == [False, False, True, True]
