@@ -402,20 +402,15 @@ class LogShipper:
             self._set(f, state="streaming", confirmed_lsn=applied, sent_lsn=applied, error=None,
                       connects=f.connects + 1)
             self._save_slots(force=True)
-            send_buf = None
-            if engine:
-                half = int(region["bytes"]) // 2
-                send_buf = torch.empty(2 * half, dtype=torch.uint8)
-                transport.register(send_buf)
+            bufs = _SendBuffers(transport, int(region["bytes"]) // 2 if engine else 0)
             try:
-                self._pump(f, ch, transport, region, send_buf)
+                self._pump(f, ch, transport, region, bufs)
             finally:
-                if send_buf is not None:
-                    transport.unregister(send_buf)
+                bufs.release()
         finally:
             ch.close()
 
-    def _pump(self, f: _Follower, ch: Channel, transport: Transport, region: dict | None, send_buf) -> None:
+    def _pump(self, f: _Follower, ch: Channel, transport: Transport, region: dict | None, bufs) -> None:
         in_flight: deque[int] = deque()
         half = int(region["bytes"]) // 2 if region else self.batch_bytes
         batch_no = 0
@@ -429,7 +424,7 @@ class LogShipper:
             if len(in_flight) < 2 and upto > sent:
                 recs = self.source.read_records(sent, min(self.batch_bytes, half), upto)
             if recs:
-                self._send_batch(ch, transport, region, send_buf, half, batch_no, recs)
+                self._send_batch(ch, transport, region, bufs, half, batch_no, recs)
                 batch_no += 1
                 self._set(f, sent_lsn=recs[-1][0])
                 in_flight.append(recs[-1][0])
@@ -447,7 +442,7 @@ class LogShipper:
                 if not self._stopping:
                     self._cond.wait(0.05)
 
-    def _send_batch(self, ch, transport, region, send_buf, half, batch_no, recs) -> None:
+    def _send_batch(self, ch, transport, region, bufs, half, batch_no, recs) -> None:
         total = sum(b.nbytes for _, b in recs)
         meta = {"first_lsn": recs[0][0], "last_lsn": recs[-1][0], "bytes": total, "count": len(recs)}
         if region is None or total > half:
@@ -455,14 +450,53 @@ class LogShipper:
             ch.send(MsgType.SHIP_RECORDS, meta, [b for _, b in recs])
             return
         off = (batch_no % 2) * half
-        dst = send_buf.numpy()
+        src = bufs.source(recs, off)
+        transport.write(region["transport"], [(src, total)], [int(region["addr"]) + off])
+        meta.update(inline=False, offset=off)
+        ch.send(MsgType.SHIP_RECORDS, meta)
+
+
+class _SendBuffers:
+    """Where a batch is sent from. Records that lie back to back in one segment map (the usual
+    case) go straight from the map, registered with the engine once per map: no copy. Others
+    are copied into a registered staging buffer of two halves, allocated on first need."""
+
+    def __init__(self, transport: Transport, half: int) -> None:
+        self.transport = transport
+        self.half = half
+        self._maps: dict[int, int] = {}  # id(map) -> registered base address
+        self._staging: torch.Tensor | None = None
+
+    def source(self, recs, off: int) -> int:
+        first = recs[0][1]
+        owner = getattr(first, "obj", None)
+        addrs = [np.frombuffer(b, dtype=np.uint8).ctypes.data for _, b in recs]
+        contiguous = owner is not None and all(
+            getattr(b, "obj", None) is owner and a + b.nbytes == nxt
+            for (_, b), a, nxt in zip(recs, addrs, addrs[1:] + [addrs[-1] + recs[-1][1].nbytes]))
+        if contiguous:
+            if id(owner) not in self._maps:
+                base = np.frombuffer(owner, dtype=np.uint8).ctypes.data
+                self.transport.register_range(base, len(owner), owner)
+                self._maps[id(owner)] = base
+            return addrs[0]
+        if self._staging is None:
+            self._staging = torch.empty(2 * self.half, dtype=torch.uint8)
+            self.transport.register(self._staging)
+        dst = self._staging.numpy()
         pos = off
         for _, b in recs:
             dst[pos : pos + b.nbytes] = np.frombuffer(b, dtype=np.uint8)
             pos += b.nbytes
-        transport.write(region["transport"], [(send_buf.data_ptr() + off, total)], [int(region["addr"]) + off])
-        meta.update(inline=False, offset=off)
-        ch.send(MsgType.SHIP_RECORDS, meta)
+        return self._staging.data_ptr() + off
+
+    def release(self) -> None:
+        for base in self._maps.values():
+            self.transport.unregister_range(base)
+        self._maps.clear()
+        if self._staging is not None:
+            self.transport.unregister(self._staging)
+            self._staging = None
 
 
 class _Reseed(ReplicationError):
@@ -488,6 +522,7 @@ class LogSink:
         self._applied = self._load_applied() if durable else 0
         self.counters = {"records": 0, "puts": 0, "deletes": 0, "duplicates": 0, "skipped": 0, "batches": 0}
         self.leader: str | None = None
+        self._batch: np.ndarray | None = None  # decode buffer reused across batches (guarded by _lock)
 
     @classmethod
     def for_db(cls, db) -> "LogSink":
@@ -538,6 +573,12 @@ class LogSink:
             self._applied = max(self._applied, last_lsn)
             return self._applied
 
+    def _batch_rows(self, n: int, page: int) -> np.ndarray:
+        """A reused [n, page] buffer: a fresh one per batch costs page faults, not just a copy."""
+        if self._batch is None or self._batch.shape[0] < n or self._batch.shape[1] != page:
+            self._batch = np.empty((n, page), dtype=np.uint8)
+        return self._batch[:n]
+
     def _apply_records(self, recs) -> bool:
         """Apply records in lsn order, one put_blocks per run of PUTs (pages decoded straight
         into one preallocated batch); True when a DELETE was applied."""
@@ -552,7 +593,7 @@ class LogSink:
                 j = i
                 while j < len(recs) and recs[j].rtype == RecordType.PUT_BLOCK:
                     j += 1
-                batch = np.empty((j - i, page), dtype=np.uint8)
+                batch = self._batch_rows(j - i, page)
                 keys, pos = [], []
                 for row, rec in enumerate(recs[i:j]):
                     p = decode_put(rec.body)

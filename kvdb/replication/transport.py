@@ -82,7 +82,14 @@ class Transport(ABC):
         """Make ``tensor``'s memory a valid source (no copy); True when newly registered."""
         return False
 
+    def register_range(self, ptr: int, nbytes: int, owner) -> bool:
+        """Like ``register`` for raw memory (an mmap); ``owner`` stays alive while registered."""
+        return False
+
     def unregister(self, tensor: torch.Tensor) -> None:
+        pass
+
+    def unregister_range(self, ptr: int) -> None:
         pass
 
     def can_write_to(self, peer: dict | None) -> bool:
@@ -159,18 +166,24 @@ class MooncakeTransport(Transport):
         if tensor.device.type != "cpu":
             raise InvalidInput(f"the Transfer Engine path sends host memory; got a tensor on {tensor.device}")
         storage = tensor.untyped_storage()
-        ptr, nbytes = storage.data_ptr(), storage.nbytes()
+        return self.register_range(storage.data_ptr(), storage.nbytes(), storage)
+
+    def register_range(self, ptr: int, nbytes: int, owner) -> bool:
+        """Register ``nbytes`` of host memory at ``ptr``; ``owner`` (a storage, an mmap) is kept
+        alive while registered. True when this call registered it."""
         with self._lock:
             if nbytes == 0 or self._covered(ptr, nbytes):
                 return False
             rc = self.engine.register_memory(ptr, nbytes)
             if rc != 0:
                 raise ReplicationError(f"Transfer Engine could not register {nbytes} bytes (rc={rc})")
-            self._registered[ptr] = (nbytes, storage)
+            self._registered[ptr] = (nbytes, owner)
             return True
 
     def unregister(self, tensor: torch.Tensor) -> None:
-        ptr = tensor.untyped_storage().data_ptr()
+        self.unregister_range(tensor.untyped_storage().data_ptr())
+
+    def unregister_range(self, ptr: int) -> None:
         with self._lock:
             if self._registered.pop(ptr, None) is not None:
                 self.engine.unregister_memory(ptr)
