@@ -38,8 +38,9 @@ from kvdb.planner.workflow import Workflow
 
 ABSENT, LISTED, PINNED = 0, 1, 2
 VALUE_CAP = 64
-PLAN_SLACK_FACTOR = 3.0  # deadline = t_next + factor * d + PLAN_SLACK_S
+PLAN_SLACK_FACTOR = 3.0
 PLAN_SLACK_S = 2.0
+SHARED_SLACK_FACTOR = 1.0  # shared blocks: only ever moved earlier while live, so expire sooner
 TC_ALPHA = 0.05  # EWMA weight of one victim's age in Tc
 LLM_CALL_S = 2.0  # assumed LLM call duration between a node's call and its dependents (W5)
 TOOL_DEFAULT_S = 10.0  # a tool's duration before any has been observed
@@ -154,6 +155,7 @@ class PlannedReplacer(Replacer):
                 continue
             self._agent_plan[key] = t
             deadline = t + PLAN_SLACK_FACTOR * (t - now) + PLAN_SLACK_S
+            shared_deadline = t + SHARED_SLACK_FACTOR * (t - now) + PLAN_SLACK_S
             for f, inc in chain:
                 if self._inc[f] != inc or self._state[f] == ABSENT or self._leaf[f]:
                     continue
@@ -168,9 +170,9 @@ class PlannedReplacer(Replacer):
                             self._unplan(f)
                         else:
                             self._push_gd(f)
-                elif owned or not live or t < self._t_next[f]:
+                elif not live or t < self._t_next[f] or (owned and not self._shared[f]):
                     self._plan_owner[f] = key
-                    self._set_plan(f, t, deadline, replace=True)
+                    self._set_plan(f, t, shared_deadline if self._shared[f] else deadline, replace=True)
 
     def _observe_tools(self, wf: Workflow, node_id: str, now: float) -> None:
         """Learn tool durations: a node whose dep is a tool started when that tool ended."""
@@ -238,9 +240,9 @@ class PlannedReplacer(Replacer):
             self._own(f, sid)
             if plan is not None and not leaf and not self._shared[f]:
                 self._set_plan(f, plan[0], plan[1])
-            elif (self._planned[f] and self._deadline[f] > now and self._plan_owner[f] is not None
-                  and self._plan_owner[f] != wf_agent):
-                pass  # another agent's plan for a shared block: it still stands
+            elif self._planned[f] and self._deadline[f] > now and (
+                    self._shared[f] or (self._plan_owner[f] is not None and self._plan_owner[f] != wf_agent)):
+                pass  # a shared block's plan stands: other agents may still be waiting for it
             else:  # an access fulfils the plan (or there was none)
                 self._plan_owner[f] = None
                 if self._planned[f]:
