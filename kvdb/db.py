@@ -48,7 +48,7 @@ import torch
 from kvdb.buffer_pool.arena import cuda_available
 from kvdb.buffer_pool.layout import BlockLayout
 from kvdb.buffer_pool.pool import DEVICE, HOST, TIER_NAMES, BufferPool, Tier
-from kvdb.buffer_pool.replacer import AccessContext, Replacer, make_replacer
+from kvdb.buffer_pool.replacer import AccessContext, Replacer
 from kvdb.errors import (
     CapacityError,
     DbFailedError,
@@ -60,6 +60,9 @@ from kvdb.errors import (
 )
 from kvdb.format.manifest import read_manifest, write_manifest
 from kvdb.keys import DEFAULT_TENANT, KeySpace, normalize_keys
+from kvdb.planner import Planner, make_policy
+from kvdb.planner.hints import HintOutcome
+from kvdb.planner.policies import REPLAY_ONLY
 from kvdb.types import BlockKey
 
 DURABILITIES = ("none", "group", "sync")
@@ -244,10 +247,14 @@ class Db:
             factory = replacer
         else:
             name = replacer
-            make_replacer(name, 1)  # validates the name now
-            factory = lambda n: make_replacer(name, n)  # noqa: E731
+            if name in REPLAY_ONLY:
+                raise InvalidInput(f"policy {name!r} needs the future and runs only in replay (kvdb sim)")
+            make_policy(name, 1)  # validates the name now
+            factory = lambda n: make_policy(name, n)  # noqa: E731
         self.pool = BufferPool(layout, host_frames=host_frames, device_frames=device_frames, device=dev,
                                make_replacer=factory, spill=self._spill)
+        # the planner sees sessions, workflows and hints and informs every tier's replacer
+        self.planner = Planner(replacers=[t.replacer for t in self.pool.tiers if t is not None])
         self._lookup_misses = 0
         self._reads = [0, 0, 0]  # device, host, disk
         self._disk_hits = 0
@@ -377,7 +384,8 @@ class Db:
     # ------------------------------------------------------------------ writes
 
     def put_blocks(self, keys, blocks: torch.Tensor, *, positions: Sequence[int] | None = None,
-                   durability: str | None = None, tier: str | None = None) -> int:
+                   durability: str | None = None, tier: str | None = None,
+                   ctx: AccessContext | None = None) -> int:
         """Store blocks under keys; keys already stored are skipped. Returns how many were new.
 
         durability: "none" (ack at once; written back to disk on eviction / close), "group"
@@ -430,7 +438,9 @@ class Db:
                 fpages = fpages[torch.as_tensor(keep, device=fpages.device)] if keep else fpages[:0]
             if fkeys:
                 dirty = self._cold is not None and not written
-                self.pool.insert(fkeys, fpages, fpos, dirty=dirty, ctx=AccessContext(positions=fpos))
+                if ctx is None:
+                    ctx = AccessContext(positions=fpos)
+                self.pool.insert(fkeys, fpages, fpos, dirty=dirty, ctx=ctx)
                 self._maybe_make_room()
         return len(fkeys)
 
@@ -686,6 +696,47 @@ class Db:
             if self._state == "open":
                 self.pool.make_room(DEVICE, self._device_free_target)
 
+    # ------------------------------------------------------------------ sessions (planner)
+
+    def begin_session(self, session_id: str, *, tenant: str | None = None, workflow=None,
+                      now_s: float | None = None) -> None:
+        """Open an agent session, optionally with its declared workflow (DAG of LLM calls and
+        tool waits: a list of ``{"id", "agent_id", "deps"}`` nodes or ``{"nodes": [...]}``)."""
+        self._check()
+        with self._lock:
+            self.planner.begin_session(session_id, tenant=tenant, workflow=workflow, now_s=now_s)
+
+    def hint(self, session_id: str, *, now_s: float | None = None, **hints) -> list[HintOutcome]:
+        """Advisory hints (``expected_tool_duration_s``, ``ttl_s``, ``priority``, ``prefix_hash``,
+        ``tool``); each comes back accepted, clipped or rejected with the reason."""
+        self._check()
+        with self._lock:
+            return self.planner.hint(session_id, now_s=now_s, **hints)
+
+    def call_started(self, session_id: str | None, *, node_id: str | None = None, agent_id: str | None = None,
+                     tenant: str | None = None, hints=None, now_s: float | None = None):
+        """An LLM call arrives: returns ``(ctx, hint_outcomes)``; pass ``ctx`` to the call's
+        ``match_prefix`` and ``put_blocks`` so the policy knows whose blocks these are."""
+        self._check()
+        with self._lock:
+            return self.planner.call_started(session_id, node_id=node_id, agent_id=agent_id, tenant=tenant,
+                                             hints=hints, now_s=now_s)
+
+    def call_finished(self, session_id: str | None, *, node_id: str | None = None, agent_id: str | None = None,
+                      hints=None, now_s: float | None = None) -> None:
+        self._check()
+        with self._lock:
+            self.planner.call_finished(session_id, node_id=node_id, agent_id=agent_id, hints=hints, now_s=now_s)
+
+    def end_session(self, session_id: str, *, now_s: float | None = None) -> None:
+        self._check()
+        with self._lock:
+            self.planner.end_session(session_id, now_s=now_s)
+
+    def explain(self, workflow) -> dict:
+        """The plan of a workflow spec as a tree (what ``kvdb explain`` prints)."""
+        return self.planner.explain(workflow)
+
     # ------------------------------------------------------------------ stats
 
     def stats(self) -> dict:
@@ -719,6 +770,8 @@ class Db:
                 disk["reads"] = self._reads[2]
                 out["tiers"]["disk"] = disk
             out["lookup_misses"] = self._lookup_misses
+            out["sessions"] = self.planner.num_sessions
+            out["hints"] = dict(self.planner.outcome_counts)
             return out
 
 

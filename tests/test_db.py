@@ -312,3 +312,56 @@ def test_device_watermark_demotes_in_background(tmp_path):
         out = torch.empty_like(b)
         db.get_blocks(keys, out=out)
         assert torch.equal(out, b)
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu", "arc", "kvflow", "tokencake", "kvdb"])
+def test_every_engine_policy_keeps_bytes_exact(tmp_path, policy):
+    # Scenario: 3 host pages under each engine policy, a session with a 2-node workflow and
+    # 6 blocks put over two calls: whatever each policy evicts, what is present is exact,
+    # and the prefix never claims an evicted block.
+    with open_db(tmp_path, host_pages=3, replacer=policy) as db:
+        db.begin_session("s", tenant="acme", workflow=[{"id": "a", "agent_id": "x"},
+                                                       {"id": "b", "agent_id": "x", "deps": ["a"]}])
+        keys = db.block_keys(list(range(24)), tenant="acme")
+        b = blocks_for(6)
+        ctx, _ = db.call_started("s", node_id="a", now_s=0.0)
+        db.match_prefix(keys[:3], ctx=ctx)
+        db.put_blocks(keys[:3], b[:3], positions=[0, 1, 2], ctx=ctx)
+        db.call_finished("s", node_id="a", now_s=1.0)
+        ctx, _ = db.call_started("s", node_id="b", now_s=2.0)
+        n = db.match_prefix(keys, ctx=ctx)
+        db.put_blocks(keys[n:], b[n:], positions=list(range(n, 6)), ctx=ctx)
+        present = [k in db.pool.table for k in keys]
+        assert sum(present) == 3
+        out = torch.empty((1, *LAYOUT.block_shape))
+        for i, k in enumerate(keys):
+            if present[i]:
+                db.get_blocks([k], out=out)
+                assert torch.equal(out[0], b[i])
+        assert db.match_prefix(keys) == present.index(False)  # 3 of 6 present: a gap exists
+        db.end_session("s")
+        assert db.stats()["sessions"] == 0
+
+
+def test_session_api_and_hint_outcomes(tmp_path):
+    with open_db(tmp_path, replacer="kvdb") as db:
+        db.begin_session("s1", tenant="acme")
+        out = db.hint("s1", expected_tool_duration_s=30, ttl_s=-1, priority=99, colour="red")
+        assert [(o.name, o.status) for o in out] == [("expected_tool_duration_s", "accepted"), ("ttl_s", "rejected"),
+                                                     ("priority", "clipped"), ("colour", "rejected")]
+        assert db.hint("s1", expected_tool_duration_s=float("nan"))[0].status == "rejected"
+        assert db.stats()["hints"] == {"accepted": 1, "clipped": 1, "rejected": 3}
+        with pytest.raises(InvalidInput, match="already open"):
+            db.begin_session("s1")
+        with pytest.raises(InvalidInput, match="cycl|cycle"):
+            db.begin_session("s2", workflow=[{"id": "a", "agent_id": "x", "deps": ["b"]},
+                                             {"id": "b", "agent_id": "x", "deps": ["a"]}])
+        with pytest.raises(NotFound):
+            db.hint("nope", ttl_s=1)
+        db.end_session("s1")
+        with pytest.raises(NotFound):
+            db.end_session("s1")
+    with pytest.raises(InvalidInput, match="replay"):
+        open_db(tmp_path / "b", replacer="belady")
+    with pytest.raises(InvalidInput, match="unknown policy"):
+        open_db(tmp_path / "c", replacer="fifo")
