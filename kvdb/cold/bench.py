@@ -119,43 +119,49 @@ def bench_bandwidth(root: str, total_bytes: int, batch_pages: int, progress=None
     }
 
 
-def bench_commits(root: str, threads: int, ops_per_thread: int, sync_ops: int) -> dict:
+def bench_commits(root: str, threads: int, ops_per_thread: int, sync_ops: int, rounds: int = 4) -> dict:
+    """Phases alternate (sync, group, sync, group, ...) so that both see the same disk."""
     rng = np.random.default_rng(1)
     page = rng.integers(0, 256, (1, SMALL.page_bytes), dtype=np.uint8)
     store = ColdStore.open(os.path.join(root, "small"), SMALL)
+    sync_s = group_s = 0.0
+    group_fsyncs = 0
     try:
-        keys = _keys(sync_ops, 1)
-        t0 = time.perf_counter()
-        for k in keys:
-            store.put([k], page, None, "sync")
-        sync_s = time.perf_counter() - t0
+        for r in range(rounds):
+            keys = _keys(sync_ops // rounds, 10 + r)
+            t0 = time.perf_counter()
+            for k in keys:
+                store.put([k], page, None, "sync")
+            sync_s += time.perf_counter() - t0
 
-        f0 = store.stats()["fsyncs"]
-        barrier = threading.Barrier(threads + 1)
+            f0 = store.stats()["fsyncs"]
+            barrier = threading.Barrier(threads + 1)
 
-        def writer(t: int) -> None:
-            ks = _keys(ops_per_thread, 100 + t)
+            def writer(t: int, r: int = r) -> None:
+                ks = _keys(ops_per_thread // rounds, 1000 * (r + 1) + t)
+                barrier.wait()
+                for k in ks:
+                    store.put([k], page, None, "group")
+
+            ts = [threading.Thread(target=writer, args=(t,)) for t in range(threads)]
+            for t in ts:
+                t.start()
             barrier.wait()
-            for k in ks:
-                store.put([k], page, None, "group")
-
-        ts = [threading.Thread(target=writer, args=(t,)) for t in range(threads)]
-        for t in ts:
-            t.start()
-        barrier.wait()
-        t0 = time.perf_counter()
-        for t in ts:
-            t.join()
-        group_s = time.perf_counter() - t0
-        group_fsyncs = store.stats()["fsyncs"] - f0
+            t0 = time.perf_counter()
+            for t in ts:
+                t.join()
+            group_s += time.perf_counter() - t0
+            group_fsyncs += store.stats()["fsyncs"] - f0
     finally:
         store.close()
+    n_sync = rounds * (sync_ops // rounds)
+    n_group = rounds * threads * (ops_per_thread // rounds)
     return {
         "small_page_bytes": SMALL.page_bytes,
-        "sync_ops_s": round(sync_ops / sync_s, 1),
+        "sync_ops_s": round(n_sync / sync_s, 1),
         "group_threads": threads,
-        "group_commit_ops_s": round(threads * ops_per_thread / group_s, 1),
-        "group_ops_per_fsync": round(threads * ops_per_thread / max(1, group_fsyncs), 2),
+        "group_commit_ops_s": round(n_group / group_s, 1),
+        "group_ops_per_fsync": round(n_group / max(1, group_fsyncs), 2),
     }
 
 

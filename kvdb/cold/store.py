@@ -44,6 +44,7 @@ finds a segment wholly dead (deleted at once) or ``compact`` copies the live res
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import os
 import threading
 from pathlib import Path
@@ -86,6 +87,7 @@ from kvdb.cold.index import Index
 DURABILITIES = ("none", "group", "sync")
 DEFAULT_SEGMENT_BYTES = 256 << 20
 DEFAULT_CHECKPOINT_BYTES = 512 << 20
+READ_SLICE_BYTES = 8 << 20  # raw runs are read and checked in slices of this many bytes
 PERSISTED_COUNTERS = ("hits", "misses", "corruptions", "evictions", "puts", "deletes", "segments_deleted")
 
 
@@ -135,6 +137,7 @@ class ColdStore:
         self._fd_lock = threading.Lock()
         self._stats_lock = threading.Lock()
         self._fds: dict[int, list] = {}  # segment -> [fd, pins, retired]
+        self._pool = None  # read-ahead thread of raw runs, made on first use
         self._queue: collections.deque = collections.deque()  # (lsn, index key, value|None, block key|None)
         self._pending: dict[bytes, tuple[int, iv.BlockEntry | None]] = {}
         self._live: dict[bytes, tuple[int, int, int]] = {}  # key -> (lsn, record_bytes, segment)
@@ -247,6 +250,8 @@ class ColdStore:
 
     def _release(self) -> None:
         self._closed = True
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
         try:
             self._writer.close()
         except BaseException:
@@ -681,22 +686,36 @@ class ColdStore:
             fd = self._pin_fd(seg)
             if fd is None:
                 continue
-            heads = [bytearray(PUT_PAYLOAD_OFFSET) for _ in run]
-            bufs = []
-            for h, i in zip(heads, run):
-                bufs.append(h)
-                bufs.append(out[i])
             try:
-                n = self._fs.preadv(fd, bufs, off)
-            except OSError:
-                n = 0
+                # ask the kernel for the whole run now, then read and check it in slices: the
+                # checksums of one slice overlap the device reading the next
+                try:
+                    os.posix_fadvise(fd, off, len(run) * want, os.POSIX_FADV_WILLNEED)
+                except (OSError, AttributeError):
+                    pass
+                per = max(1, READ_SLICE_BYTES // want)
+                slices = []
+                for a in range(0, len(run), per):
+                    part = run[a : a + per]
+                    heads = [bytearray(PUT_PAYLOAD_OFFSET) for _ in part]
+                    bufs = []
+                    for h, i in zip(heads, part):
+                        bufs.append(h)
+                        bufs.append(out[i])
+                    slices.append((part, heads, bufs, off + a * want))
+                # a reader thread runs ahead through the slices (preadv releases the GIL) while
+                # this thread checks the ones already read (crc32c releases it too)
+                pool = self._read_pool() if len(slices) > 1 else None
+                futs = [pool.submit(self._safe_preadv, fd, b, o) if pool else None for _p, _h, b, o in slices]
+                for (part, heads, bufs, o), fut in zip(slices, futs):
+                    n = fut.result() if fut is not None else self._safe_preadv(fd, bufs, o)
+                    for k, (h, i) in enumerate(zip(heads, part)):
+                        if n < (k + 1) * want:
+                            results[i] = False
+                        else:
+                            results[i] = self._check_raw(keys[i], entries[i], h, out[i])
             finally:
                 self._unpin_fd(seg, fd)
-            for k, (h, i) in enumerate(zip(heads, run)):
-                if n < (k + 1) * want:
-                    results[i] = False
-                else:
-                    results[i] = self._check_raw(keys[i], entries[i], h, out[i])
 
     def _read_entry(self, key: bytes, e: iv.BlockEntry, row: np.ndarray):
         """True: row holds the page. False: damaged. None: the segment is gone (retry)."""
@@ -721,6 +740,18 @@ class ColdStore:
         if n != e.record_bytes:
             return False
         return self._check_raw(key, e, head, row)
+
+    def _safe_preadv(self, fd: int, bufs: list, offset: int) -> int:
+        try:
+            return self._fs.preadv(fd, bufs, offset)
+        except OSError:
+            return 0
+
+    def _read_pool(self):
+        with self._fd_lock:
+            if self._pool is None:
+                self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvdb-cold-read")
+            return self._pool
 
     @staticmethod
     def _check_raw(key: bytes, e: iv.BlockEntry, head: bytearray, row: np.ndarray) -> bool:
