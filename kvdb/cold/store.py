@@ -144,7 +144,7 @@ class ColdStore:
         self._seg_live: collections.Counter = collections.Counter()  # segment -> live record bytes
         self._live_bytes = 0
         self._counters = dict.fromkeys(PERSISTED_COUNTERS, 0)
-        self._counters.update(checkpoints=0)
+        self._counters.update(checkpoints=0, read_errors=0)
         try:
             self._fs.makedirs(self.wal_dir)
             self._fs.makedirs(self.index_dir)
@@ -196,6 +196,7 @@ class ColdStore:
             if self.recovery.records_replayed or next(self._index.entries(), None) is not None:
                 raise InvalidInput(f"{self.path} was created without encryption; it cannot be opened with a key")
             self._index.write([(iv.SEAL_KEY, self._sealer.key_check())])
+            self._index.flush()  # the index WAL is off: make the key check survive a crash now
         self._writer = LogWriter(self._fs, self.wal_dir, segment_no=self.recovery.segment_no,
                                  offset=self.recovery.offset, next_lsn=self.recovery.next_lsn,
                                  segment_bytes=segment_bytes, on_durable=self._apply)
@@ -727,9 +728,9 @@ class ColdStore:
                     and e.record_bytes == PUT_PAYLOAD_OFFSET + self.page_bytes:
                 return self._read_raw(fd, key, e, row)
             return self._read_decoded(fd, key, e, row)
-        except OSError as err:
-            # a read error is a miss, not a reason to fail the store; verify will report it
-            self._read_error = str(err)
+        except OSError:
+            # a read error is a miss (counted), not a reason to fail the store
+            self._count(read_errors=1)
             return False
         finally:
             self._unpin_fd(e.segment_no, fd)

@@ -22,11 +22,12 @@ Invariants
     W4  a segment's fd is closed only when no fsync holds it (``pins``).
 
 Locks
-    ``lock``   guards the active segment, its append offset and next_lsn (the store also holds
-               it while it queues index updates, so queue order == lsn order).
-    ``_cond``  guards durable_lsn, _syncing, _failed.
-    Order: ``lock`` may be taken while holding nothing or ``_cond``'s lock is never held while
-    taking ``lock`` inside sync_to (the leader drops ``_cond`` before capturing).
+    ``lock``   (re-entrant) guards the active segment, its append offset and next_lsn; the
+               store holds it while it queues index updates, so queue order == lsn order.
+    ``_cond``  guards durable_lsn, _syncing and _failed.
+    Nesting: ``lock`` is never taken while ``_cond`` is held; the leader releases ``_cond``
+    before it captures the segment under ``lock``, and nobody may call ``sync_to`` while
+    holding ``lock`` (a follower waiting there would block the leader).
 """
 
 from __future__ import annotations

@@ -275,3 +275,15 @@ def test_sliced_read_ahead_of_back_to_back_records(tmp_path, monkeypatch):
         assert (out[[i for i in range(40) if i != 22]] == want[[i for i in range(40) if i != 22]]).all()
         assert (out[22] == 0).all()
         assert s.stats()["corruptions"] == 1
+
+
+def test_encrypted_store_reopens_after_a_crash_before_any_checkpoint(tmp_path):
+    # The key check lives in the index, whose WAL is off: it must be flushed at creation.
+    kf = tmp_path / "key"
+    kf.write_bytes(bytes(range(32)))
+    s = open_store(tmp_path / "db", encryption_key_file=str(kf))
+    s.put([key(1)], pages_for([key(1)]), None, "sync")
+    s.debug_crash_close()
+    with open_store(tmp_path / "db", encryption_key_file=str(kf)) as s:
+        found, out = read(s, [key(1)])
+        assert found == [True] and (out == pages_for([key(1)])).all()
