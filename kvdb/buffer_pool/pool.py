@@ -124,16 +124,20 @@ class BufferPool:
         """Up to k free frames of ``tier`` (ascending), evicting victims when needed."""
         take = min(k, len(tier.free))
         frames = [tier.free.pop() for _ in range(take)]
+        frames.extend(self._evict_some(tier, k - take))
+        return frames
+
+    def _evict_some(self, tier: Tier, k: int) -> list[int]:
+        """Ask the replacer for up to k victims and move them out of ``tier``; returns their frames."""
         victims: list[int] = []
-        while len(frames) + len(victims) < k:
+        while len(victims) < k:
             v = tier.replacer.evict()
             if v is None:
                 break
             victims.append(v)
         if victims:
             self._evict(tier, victims)
-            frames.extend(victims)
-        return frames
+        return victims
 
     def _release(self, tier: Tier, frames: Sequence[int]) -> None:
         for f in frames:
@@ -281,16 +285,8 @@ class BufferPool:
         tier = self.tiers[tier_index]
         if tier is None:
             return 0
-        need = free_frames - len(tier.free)
-        victims: list[int] = []
-        while len(victims) < need:
-            v = tier.replacer.evict()
-            if v is None:
-                break
-            victims.append(v)
-        if victims:
-            self._evict(tier, victims)
-            tier.free.extend(sorted(victims, reverse=True))
+        victims = self._evict_some(tier, free_frames - len(tier.free))
+        tier.free.extend(sorted(victims, reverse=True))
         return len(victims)
 
     # ------------------------------------------------------------ access, pins, delete
