@@ -80,6 +80,7 @@ class PlannedReplacer(Replacer):
         self._returns: dict[str, float] = {}  # session -> predicted return (from its hints)
         self._workflows: dict[str, Workflow] = {}
         self._current: tuple = (None, None)  # (session, agent) of the call in progress
+        self._chain_open = False  # whether the current call already started its agent's chain
         self._inc = array("q", [0]) * n  # incarnation: bumped each time the frame is freed
         self._plan_owner: list[tuple | None] = [None] * n  # (session, agent) whose estimate planned it
         self._agent_chain: dict[tuple, list[tuple[int, int]]] = {}  # agent -> (frame, inc) of its last call
@@ -214,8 +215,15 @@ class PlannedReplacer(Replacer):
             plan = None  # the workflow's estimate replaces the per-call hint (_replan at CallFinished)
         last = len(frames) - 1
         if wf_agent is not None:
+            # the engine may report one call in several record_access calls (lookup, then the
+            # new blocks): the first after CallStarted starts the agent's chain, later ones extend it
             inc = self._inc
-            self._agent_chain[wf_agent] = [(f, inc[f]) for f in frames]
+            links = [(f, inc[f]) for f in frames]
+            if self._chain_open:
+                self._agent_chain.setdefault(wf_agent, []).extend(links)
+            else:
+                self._agent_chain[wf_agent] = links
+                self._chain_open = True
         L = self._L
         for j, f in enumerate(frames):
             bid = ids[j] if ids is not None else None
@@ -253,6 +261,7 @@ class PlannedReplacer(Replacer):
     def on_event(self, event: Any) -> None:
         if isinstance(event, CallStarted):
             self._current = (event.session_id, event.agent_id)
+            self._chain_open = False
             if event.now_s > self._now:
                 self._now = event.now_s
         elif isinstance(event, SessionBegan):
