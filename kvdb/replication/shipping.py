@@ -205,9 +205,11 @@ class SegmentLogSource:
         if start is None:
             return None
         for seg in segs[segs.index(start):]:
-            m = self._map(seg, 0)
             off = SEGMENT_HEADER_BYTES
-            while m is not None and off + RECORD_HEADER_BYTES <= len(m):
+            while True:
+                m = self._map(seg, off + RECORD_HEADER_BYTES)  # remaps a map older than the file
+                if m is None or off + RECORD_HEADER_BYTES > len(m):
+                    break
                 length, _crc, _t, rec_lsn = RECORD_HEADER.unpack_from(m, off)
                 if rec_lsn == lsn:
                     return seg, off
@@ -287,6 +289,7 @@ class LogShipper:
         self._stopping = False
         slots = read_slots(self.state_dir) if self.state_dir is not None else {}
         self.followers = [_Follower(a, slots.get(a, 0)) for a in replicas]
+        self._slots_lock = threading.Lock()  # one writer of slots.json at a time; guards _slots_saved_at
         self._slots_saved_at = 0.0
 
     # -- lifecycle
@@ -337,13 +340,14 @@ class LogShipper:
     def _save_slots(self, force: bool = False) -> None:
         if self.state_dir is None:
             return
-        now = time.monotonic()
-        if not force and now - self._slots_saved_at < 0.5:
-            return
-        self._slots_saved_at = now
-        with self._cond:
-            slots = {f.addr: f.confirmed_lsn for f in self.followers}
-        _write_atomic(self.state_dir / SLOTS_NAME, json.dumps(slots, sort_keys=True).encode())
+        with self._slots_lock:
+            now = time.monotonic()
+            if not force and now - self._slots_saved_at < 0.5:
+                return
+            self._slots_saved_at = now
+            with self._cond:
+                slots = {f.addr: f.confirmed_lsn for f in self.followers}
+            _write_atomic(self.state_dir / SLOTS_NAME, json.dumps(slots, sort_keys=True).encode())
 
     # -- one follower
 

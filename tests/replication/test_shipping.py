@@ -4,6 +4,8 @@ secret, a damaged record."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -29,6 +31,17 @@ def _holds(addr: str, keys, blocks) -> bool:
 def _count(addr: str, keys) -> int:
     with Peer(addr, secret=SECRET, transport="tcp") as p:
         return p.lookup(keys, fetch=False)[0]
+
+
+def _wait_for_error(rep: Replicator, text: str, timeout_s: float = 30.0) -> dict:
+    """The first follower's status once its last error mentions ``text`` (polls; no timing asserted)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        st = rep.status()["followers"][0]
+        if text in (st["error"] or ""):
+            return st
+        time.sleep(0.02)
+    raise AssertionError(f"no follower error mentioning {text!r}: {rep.status()}")
 
 
 def _follower_status(addr: str) -> dict:
@@ -104,8 +117,9 @@ def test_wrong_secret_and_damaged_record_are_reported(netns, tmp_path, secret_fi
     with _leader(tmp_path / "leader") as db:
         db.put_blocks(k, b, durability="sync")
         rep = Replicator(db, replicas=[f.address], secret=b"not-the-cluster-secret!!", transport="tcp")
+        assert _wait_for_error(rep, "different shared secrets")["state"] == "auth_failed"
         with pytest.raises(ReplicationError, match="auth_failed.*different shared secrets"):
-            rep.sync_replicas(1.0)
+            rep.sync_replicas(0.1)
         rep.close()
 
         # fault injection: the log source hands out a record with one flipped body byte
@@ -120,8 +134,9 @@ def test_wrong_secret_and_damaged_record_are_reported(netns, tmp_path, secret_fi
             return [(recs[0][0], memoryview(bytes(bad)))] + recs[1:]
 
         src.read_records = damaged
+        assert _wait_for_error(rep, "fails its crc32c")["confirmed_lsn"] == 0
         with pytest.raises(ReplicationError, match="fails its crc32c"):
-            rep.sync_replicas(1.0)
+            rep.sync_replicas(0.1)
         rep.close()
     assert _count(f.address, k) == 0
     assert _follower_status(f.address)["applied_lsn"] == 0
