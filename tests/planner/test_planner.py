@@ -196,8 +196,15 @@ def test_cli_sim_gen_json(tmp_path):
     res = runner.invoke(cli, ["sim", str(trace), "--policy", "kvdb", "--policy", "tokencake", "--capacity-fraction",
                               "0.05", "--timed", "--json"])
     assert res.exit_code == 0 and [r["policy"] for r in json.loads(res.output)] == ["kvdb", "tokencake"]
+    png = tmp_path / "hits.png"
+    res = runner.invoke(cli, ["sim", str(trace), "--policy", "lru", "--policy", "belady", "--capacity", "10",
+                              "--capacity", "40", "--plot", str(png)])
+    assert res.exit_code == 0 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert len(res.output.splitlines()) == 5  # header + 2 policies x 2 capacities
     res = runner.invoke(cli, ["sim", str(trace), "--policy", "nope", "--capacity", "3"])
     assert res.exit_code == 2
+    res = runner.invoke(cli, ["sim", str(trace), "--policy", "lru"])
+    assert res.exit_code == 2 and "--capacity" in res.output
 
 
 
