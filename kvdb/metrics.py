@@ -1,0 +1,50 @@
+"""Prometheus metrics for a Db: a collector that reads ``db.stats()`` at scrape time.
+
+    from prometheus_client import CollectorRegistry, start_http_server
+    registry = CollectorRegistry()
+    kvdb.metrics.register(db, registry)
+    start_http_server(9400, registry=registry)
+
+Every series carries a ``tier`` label (device, host, disk). Counters are monotone over the
+Db's life; gauges are resident pages and bytes. Nothing here is per tenant: metrics never tell
+one tenant about another's cache.
+"""
+
+from __future__ import annotations
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import REGISTRY, CollectorRegistry
+
+_GAUGES = {"pages": "resident pages", "bytes": "resident bytes", "capacity_pages": "page capacity",
+           "pinned_pages": "pages pinned now"}
+_COUNTERS = {"hits": "lookup hits", "misses": "lookup misses", "reads": "blocks read",
+             "evictions": "pages evicted for room", "corruptions": "records failing their checksum"}
+
+
+class DbCollector:
+    def __init__(self, db, prefix: str = "kvdb") -> None:
+        self.db = db
+        self.prefix = prefix
+
+    def collect(self):
+        s = self.db.stats()
+        for field, doc in _GAUGES.items():
+            g = GaugeMetricFamily(f"{self.prefix}_{field}", doc, labels=["tier"])
+            for tier, ts in s["tiers"].items():
+                if isinstance(ts.get(field), (int, float)):
+                    g.add_metric([tier], ts[field])
+            yield g
+        for field, doc in _COUNTERS.items():
+            c = CounterMetricFamily(f"{self.prefix}_{field}", doc, labels=["tier"])
+            for tier, ts in s["tiers"].items():
+                if isinstance(ts.get(field), (int, float)):
+                    c.add_metric([tier], ts[field])
+            yield c
+        yield GaugeMetricFamily(f"{self.prefix}_sessions", "open agent sessions", value=s.get("sessions", 0))
+
+
+def register(db, registry: CollectorRegistry | None = None, prefix: str = "kvdb") -> DbCollector:
+    """Register a collector for ``db`` (the default registry unless one is given)."""
+    collector = DbCollector(db, prefix)
+    (registry or REGISTRY).register(collector)
+    return collector
