@@ -2,11 +2,19 @@
 
 Each resident block is in one of two classes:
 
-* **planned**: a hint says when its session comes back (``expected_tool_duration_s``: next
-  use ~ now + d; ``ttl_s``: keep until now + ttl). Key = predicted next use ``t_next``;
-  among planned blocks the one wanted furthest in the future goes first (Belady on the
-  estimate). A plan has a deadline (t_next + 3 d + 2 s, slack for noisy hints: σ = 1 in log
-  space is a factor e either way); past it the block falls back to the unplanned class.
+* **planned**: something says when it is needed next (``t_next``); among planned blocks the
+  one wanted furthest in the future goes first (Belady on the estimate).
+  - Sessions with a declared workflow: after each of the session's calls, every agent's
+    *last chain* (all blocks of its latest call) is planned for the estimated start of the
+    agent's next LLM node (kvdb.planner.workflow W5: critical path over the DAG with the
+    tools' expected durations, or an EWMA of observed tool waits). An agent with nothing
+    left to run releases its private blocks (H = -inf). A block in several chains (a
+    shared prompt) keeps the earliest live estimate; the agent that set it owns the plan.
+  - Sessions without one: hint ``expected_tool_duration_s`` d plans the call's private
+    blocks for now + d; ``ttl_s`` keeps them until now + ttl.
+  A plan has a deadline (t_next + 3 (t_next - now) + 2 s for private blocks -- slack for
+  noisy hints, σ = 1 in log space is a factor e either way -- and 1x for shared ones, whose
+  plans only ever move earlier while live); past it the block becomes unplanned.
 * **unplanned**: GreedyDual over a learned value. Key H = L + v with
   v = min(accesses, 64) * (1 + priority), 0 for the last block of a call (almost always a
   partial block: the next turn's longer prompt changes its hash, so it is reused ~1 % of the
@@ -14,14 +22,16 @@ Each resident block is in one of two classes:
   an idle block ages out however valuable it was. Access counts survive eviction in a ghost
   table of ``num_frames`` ids, so a returning hot prefix is recognised.
 
-Victim choice: expired plans are demoted first; then a planned block is evicted if its next
-use lies further ahead than ``Tc`` (the cache's characteristic time: EWMA of the age at
-eviction of unplanned victims -- a block not needed within Tc would not survive anyway), else
-the unplanned block with the least H. Blocks of an ended session that no other session
-touched get H = -inf (first out). Ties go to the deeper block (R3): keys carry -depth.
+Victim order: expired plans are demoted; then (1) an unplanned block at or below the floor L
+(junk: last blocks, ended sessions, aged out); (2) the planned block with the furthest
+``t_next`` if that lies beyond ``Tc`` (EWMA of the age of unplanned victims: a block not
+needed within Tc would not survive anyway) or nothing unplanned is left; (3) the unplanned
+block with the least H. Ties go to the deeper block (R3): keys carry -depth.
 
 Costs per access: O(log n) heap pushes; stale heap entries are skipped lazily and compacted.
-Reads only the past, declared workflows and hints (no peeking; tests/sim check it).
+Re-planning touches only agents whose estimate moved by more than 0.5 s, plus the agent
+that just ran. Reads only the past, declared workflows and hints (no peeking; tests/sim
+check it).
 """
 
 from __future__ import annotations
