@@ -32,6 +32,17 @@ def tiny_llama_config(**overrides):
     return transformers.LlamaConfig(**kw)
 
 
+@pytest.fixture(scope="package", autouse=True)
+def one_torch_thread():
+    """These tests run a tiny model: one intra-op thread costs little on an idle 2-core box
+    (~1.2x), while two threads on an oversubscribed one spin against each other (measured:
+    the whole package 91 s with two threads vs 20 s with one at load 8). Restored after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def llama():
     warnings.filterwarnings("ignore", message=".*past_key_values.*deprecated.*")
