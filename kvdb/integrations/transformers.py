@@ -183,6 +183,7 @@ class LookupStats:
     hit_tokens: int = 0
     saved_blocks: int = 0
     refused_blocks: int = 0  # matched by the index but not handed back intact (I2)
+    staged_lookups: int = 0  # read with get_blocks: the prefix could not be pinned at once
 
 
 class PrefixCache:
@@ -247,11 +248,13 @@ class PrefixCache:
         if n == 0:
             return cache_from_blocks(self.config, self._buf[:0], device=self._device), 0
         pinned, good = self._pin_prefix(keys, n)
-        if pinned is None:
-            if good == 0:
-                return cache_from_blocks(self.config, self._buf[:0], device=self._device), 0
+        if pinned is None:  # read into the staging buffer instead (capacity) -- or nothing usable
+            if good:
+                self.stats.staged_lookups += 1
+            good, filled = self._readable_prefix(keys, good)
             blocks = self._buffer(good)[:good]
-            self.db.get_blocks(keys[:good], out=blocks)
+            if good and not filled:
+                self.db.get_blocks(keys[:good], out=blocks)
             return cache_from_blocks(self.config, blocks, device=self._device), good
         with pinned:
             src = _as_batch(pinned.pages)
@@ -260,12 +263,12 @@ class PrefixCache:
             return cache_from_blocks(self.config, src, device=self._device), good
 
     def _pin_prefix(self, keys: list, n: int):
-        """(PinnedPages or None, good): pin the longest intact prefix; None when pinning is not
-        possible for capacity reasons (good then says how many to read with get_blocks)."""
+        """(PinnedPages, good) for the longest intact prefix, or (None, m) when pinning is not
+        possible for capacity reasons: the longest intact prefix lies within keys[:m]."""
         try:
             return self.db.pin(keys[:n]), n
         except CapacityError:
-            return None, self._readable_prefix(keys, n)
+            return None, n
         except NotFound:
             pass
         lo, hi = 0, n  # keys[:lo] readable, keys[:hi] not
@@ -277,31 +280,36 @@ class PrefixCache:
             except NotFound:
                 hi = mid
             except CapacityError:
-                return None, self._readable_prefix(keys, mid)
+                return None, hi
         if lo == 0:
             return None, 0
         try:
             return self.db.pin(keys[:lo]), lo
-        except (NotFound, CapacityError):
-            return None, self._readable_prefix(keys, lo)
+        except (NotFound, CapacityError):  # evicted / damaged since, or no room now
+            return None, lo
 
-    def _readable_prefix(self, keys: list, n: int) -> int:
-        """How many leading keys of keys[:n] get_blocks can read (bisection, I2)."""
+    def _readable_prefix(self, keys: list, n: int) -> tuple[int, bool]:
+        """(good, filled): how many leading keys of keys[:n] ``get_blocks`` can read (bisection,
+        I2), and whether the staging buffer holds exactly keys[:good] now (the last read was
+        that one; a failed read may have written part of the buffer)."""
+        if n == 0:
+            return 0, True
         buf = self._buffer(n)
         try:
             self.db.get_blocks(keys[:n], out=buf)
-            return n
+            return n, True
         except NotFound:
             pass
         lo, hi = 0, n
+        last_ok = False
         while hi - lo > 1:
             mid = (lo + hi) // 2
             try:
                 self.db.get_blocks(keys[:mid], out=buf)
-                lo = mid
+                lo, last_ok = mid, True
             except NotFound:
-                hi = mid
-        return lo
+                hi, last_ok = mid, False
+        return lo, last_ok or lo == 0
 
     def keys(self, input_ids) -> list:
         """The block keys of every full block of ``input_ids`` in this cache's tenant."""

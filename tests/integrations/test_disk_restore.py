@@ -108,3 +108,29 @@ def test_corrupted_disk_block_is_never_used(llama, tmp_path, bad):
         # the damaged block is reported, and a second lookup gives the same answer
         assert db.stats()["tiers"]["disk"]["corruptions"] >= 1
         assert pc.lookup(ids)[1] == n
+
+
+@torch.inference_mode()
+def test_prefix_larger_than_memory_restores_through_staging(llama, tmp_path):
+    # Scenario: 10 blocks on disk, a host tier of 4 pages and no device tier: the prefix cannot
+    # be pinned at once (CapacityError inside the Db), so the lookup reads it with get_blocks
+    # into its staging buffer; with block 7 damaged it still stops right before it.
+    ids = tokens(170, 14)
+    blocks = save_to_disk(tmp_path / "db", llama, ids)
+    page = layout_for(llama.config, block_tokens=BT).page_bytes
+    with open_disk_db(tmp_path / "db", llama, host_bytes=4 * page) as db:
+        pc = PrefixCache(db, llama)
+        cache, n = pc.lookup(ids)
+        assert n == 160 and pc.stats.staged_lookups == 1
+        logits, _ = greedy(llama, ids, cache, n, steps=1)
+        ref_logits, _ = reference(llama, ids, n, steps=1)
+        assert torch.equal(logits, ref_logits)
+    _corrupt_block(tmp_path / "db", blocks[7])
+    with open_disk_db(tmp_path / "db", llama, host_bytes=4 * page) as db:
+        pc = PrefixCache(db, llama)
+        cache, n = pc.lookup(ids)
+        assert n == 7 * BT and pc.stats.staged_lookups == 1
+        logits, _ = greedy(llama, ids, cache, n, steps=1)
+        ref_logits, _ = reference(llama, ids, n, steps=1)
+        assert torch.equal(logits, ref_logits)
+        assert db.stats()["tiers"]["host"]["pinned_pages"] == 0

@@ -81,6 +81,7 @@ def test_host_restore_matches_recompute_and_greedy_decode(llama, tmp_path):
         stats = db.stats()["tiers"]["host"]
         assert stats["pages"] == 12 and stats["hits"] == 12
         assert pc.stats.hit_tokens == 192 and pc.stats.saved_blocks == 12
+        assert pc.stats.staged_lookups == 0 and pc.stats.refused_blocks == 0  # the pinned path
 
 
 @torch.inference_mode()
