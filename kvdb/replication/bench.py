@@ -1,18 +1,20 @@
 """``kvdb bench replication``: push and log shipping of 2 MiB blocks over loopback, next to the
 Transfer Engine's own batch write measured in the same run, to the same peer process.
 
-Set-up: a ``kvdb replicate serve`` peer process (memory host tier + disk tier in a temporary
-directory) and this process, both inside a private network namespace (netns.py) because the
-engine listens on 0.0.0.0. Figures (GB/s = 1e9 bytes/s, median of ``repeats`` rounds):
+Set-up: two ``kvdb replicate serve`` peer processes (one memory-only, one with a disk tier, in a
+temporary directory) and this process, all inside a private network namespace (netns.py)
+because the engine listens on 0.0.0.0. Figures (GB/s = 1e9 bytes/s, median of ``repeats``
+rounds after two warm-up rounds; the engine and push rounds are interleaved so that load from
+other processes hits both alike):
 
-    te_batch_write_gbps   one batch_transfer_sync_write of all blocks into the peer's landing
-                          region: the engine alone, no CRC, no control message, no store
-    push_gbps             Peer.push(durability="none"): TE write + CRC-32C both sides + HMAC'd
-                          control messages + put_blocks into the peer's host tier
-    push_sync_gbps        the same with durability="sync" (the peer fsyncs its log before acking)
+    te_batch_write_gbps   batch_transfer_sync_write of all blocks into a landing region of the
+                          memory-only peer: the engine alone, no hashing, no control message, no store
+    push_gbps             Peer.push(durability="none") to the same peer: TE writes + XXH3-128 on
+                          both sides + HMAC'd control messages + put_blocks into its host tier
     push_tcp_inline_gbps  Peer.push over the inline-TCP fallback (no engine), durability="none"
-    ship_gbps             log shipping of a leader log holding the blocks, until the follower
-                          confirmed them durable (reads segments, TE write, apply, fsync)
+    push_sync_gbps        Peer.push(durability="sync") to the disk peer (it fsyncs before acking)
+    ship_gbps             log shipping: a leader Db's log holding the blocks, from starting the
+                          stream until the disk peer confirmed them durable
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import torch
 from kvdb.buffer_pool.layout import BlockLayout
 from kvdb.errors import ReplicationError
 from kvdb.replication.netns import netns_unavailable, private_netns
+from kvdb.replication.peer import DEFAULT_CHUNK_BYTES
 from kvdb.replication.transport import transport_kind
 
 # Llama-3-8B-like: 32 layers x 2 x 16 tokens x 8 kv heads x 128 dims x bf16 = 2 MiB
@@ -41,20 +44,26 @@ def _gbps(nbytes: int, seconds: list[float]) -> float:
     return round(nbytes / statistics.median(seconds) / 1e9, 3)
 
 
-def _spawn_peer(tmp: str, secret_file: str, num_blocks: int, repeats: int, transport: str) -> tuple[subprocess.Popen, str]:
-    page = BENCH_LAYOUT.page_bytes
+def _spawn_peer(tmp: str, name: str, secret_file: str, host_pages: int, disk: bool,
+                transport: str) -> subprocess.Popen:
     cmd = [sys.executable, "-c", "from kvdb.cli.main import cli; cli()", "replicate", "serve",
-           "--db", os.path.join(tmp, "peer"), "--listen", "127.0.0.1:0", "--secret-file", secret_file,
+           "--db", os.path.join(tmp, name), "--listen", "127.0.0.1:0", "--secret-file", secret_file,
            "--transport", transport, "--json", "--layout", json.dumps(BENCH_LAYOUT.to_dict()),
-           "--model-id", "bench", "--host-bytes", str((num_blocks * (repeats + 2) + 8) * page)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+           "--model-id", "bench", "--host-bytes", str(host_pages * BENCH_LAYOUT.page_bytes)]
+    if not disk:
+        cmd += ["--disk-bytes", "0"]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+
+
+def _address(proc: subprocess.Popen) -> str:
     line = proc.stdout.readline()
     if not line:
-        raise ReplicationError(f"the benchmark peer exited with {proc.wait()} before listening")
-    return proc, json.loads(line)["address"]
+        raise ReplicationError(f"a benchmark peer exited with {proc.wait()} before listening")
+    return json.loads(line)["address"]
 
 
-def bench_replication(num_blocks: int = 64, repeats: int = 3, transport: str = "auto") -> dict:
+def bench_replication(num_blocks: int = 64, repeats: int = 3, transport: str = "auto",
+                      chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> dict:
     kind = transport_kind(transport)
     why = netns_unavailable()
     if why is not None and kind == "mooncake":
@@ -62,12 +71,12 @@ def bench_replication(num_blocks: int = 64, repeats: int = 3, transport: str = "
                                f"private network namespace, which is unavailable here ({why}); "
                                "use --transport tcp")
     if why is not None:
-        return _run(num_blocks, repeats, kind)
+        return _run(num_blocks, repeats, kind, chunk_bytes)
     with private_netns():
-        return _run(num_blocks, repeats, kind)
+        return _run(num_blocks, repeats, kind, chunk_bytes)
 
 
-def _run(num_blocks: int, repeats: int, kind: str) -> dict:
+def _run(num_blocks: int, repeats: int, kind: str, chunk_bytes: int) -> dict:
     import kvdb
     from kvdb.replication.peer import Peer
     from kvdb.replication.replicator import Replicator
@@ -78,45 +87,59 @@ def _run(num_blocks: int, repeats: int, kind: str) -> dict:
     blocks = blocks.view(BENCH_LAYOUT.dtype)
     rows = blocks.view(torch.uint8).reshape(num_blocks, page)
     out: dict = {"block_bytes": page, "blocks": num_blocks, "repeats": repeats, "transport": kind,
+                 "chunk_bytes": chunk_bytes,
                  "unit": "GB/s (1e9 bytes/s), median of repeats"}
     with tempfile.TemporaryDirectory(prefix="kvdb-bench-repl-") as tmp:
         secret_file = os.path.join(tmp, "secret")
         with open(secret_file, "wb") as f:
             f.write(_SECRET)
-        proc, addr = _spawn_peer(tmp, secret_file, num_blocks, repeats, kind)
+        # two peers: a memory-only one for the engine and the plain pushes, one with a disk
+        # tier for durable pushes and shipping; host tiers of 2n pages so that, after the
+        # warm-up, every round reuses arena frames that are already faulted in
+        procs = [_spawn_peer(tmp, "mem", secret_file, 2 * num_blocks, False, kind),
+                 _spawn_peer(tmp, "disk", secret_file, 2 * num_blocks, True, kind)]
         try:
+            mem_addr, disk_addr = (_address(p) for p in procs)
             key_no = [0]
 
             def fresh_keys() -> list[bytes]:
                 key_no[0] += 1
                 return [key_no[0].to_bytes(8, "little") + i.to_bytes(8, "little") for i in range(num_blocks)]
 
-            with Peer(addr, secret=_SECRET, transport=kind, chunk_bytes=16 * page) as p:
+            def timed_push(q: Peer, durability: str) -> float:
+                keys = fresh_keys()
+                t0 = time.perf_counter()
+                q.push(keys, blocks, durability=durability)
+                return time.perf_counter() - t0
+
+            chunk = chunk_bytes
+            with Peer(mem_addr, secret=_SECRET, transport=kind, chunk_bytes=chunk) as p, \
+                    Peer(mem_addr, secret=_SECRET, transport=kind, chunk_bytes=chunk) as q:
+                for _ in range(2):  # warm-up: connections, landing regions, arena frames
+                    q.push(fresh_keys(), blocks, durability="none")
+                te, push = [], []
                 if p.uses_engine:
                     region = p._landing_region(nbytes)
                     p.transport.register(rows)
                     srcs = [(r.data_ptr(), page) for r in rows]
                     dsts = [int(region["addr"]) + i * page for i in range(num_blocks)]
-                    p.transport.write(region["transport"], srcs, dsts)  # warm-up: connection set-up
-                    t = []
-                    for _ in range(repeats):
+                    p.transport.write(region["transport"], srcs, dsts)
+                for _ in range(repeats):  # interleaved, so load changes hit both figures alike
+                    if p.uses_engine:
                         t0 = time.perf_counter()
                         p.transport.write(region["transport"], srcs, dsts)
-                        t.append(time.perf_counter() - t0)
-                    out["te_batch_write_gbps"] = _gbps(nbytes, t)
-                for name, durability, tp in (("push_gbps", "none", kind), ("push_sync_gbps", "sync", kind),
-                                             ("push_tcp_inline_gbps", "none", "tcp")):
-                    if tp == "mooncake" and not p.uses_engine:
-                        continue
-                    with Peer(addr, secret=_SECRET, transport=tp, chunk_bytes=16 * page) as q:
-                        q.push(fresh_keys()[:2], blocks[:2], durability=durability)  # warm-up
-                        t = []
-                        for _ in range(repeats):
-                            keys = fresh_keys()
-                            t0 = time.perf_counter()
-                            q.push(keys, blocks, durability=durability)
-                            t.append(time.perf_counter() - t0)
-                    out[name] = _gbps(nbytes, t)
+                        te.append(time.perf_counter() - t0)
+                    push.append(timed_push(q, "none"))
+                if te:
+                    out["te_batch_write_gbps"] = _gbps(nbytes, te)
+                out["push_gbps"] = _gbps(nbytes, push)
+            with Peer(mem_addr, secret=_SECRET, transport="tcp", chunk_bytes=chunk) as q:
+                q.push(fresh_keys(), blocks, durability="none")
+                out["push_tcp_inline_gbps"] = _gbps(nbytes, [timed_push(q, "none") for _ in range(repeats)])
+            with Peer(disk_addr, secret=_SECRET, transport=kind, chunk_bytes=chunk) as q:
+                for _ in range(2):
+                    q.push(fresh_keys(), blocks, durability="sync")
+                out["push_sync_gbps"] = _gbps(nbytes, [timed_push(q, "sync") for _ in range(repeats)])
 
             # log shipping: each round appends the blocks to the leader's log with no shipper
             # running, then starts one and times until the follower confirmed them durable
@@ -126,7 +149,7 @@ def _run(num_blocks: int, repeats: int, kind: str) -> dict:
                 for _ in range(repeats):
                     db.put_blocks(fresh_keys(), blocks, durability="group")
                     t0 = time.perf_counter()
-                    rep = Replicator(db, replicas=[addr], secret=_SECRET, transport=kind)
+                    rep = Replicator(db, replicas=[disk_addr], secret=_SECRET, transport=kind)
                     try:
                         rep.sync_replicas(300)
                         t.append(time.perf_counter() - t0)
@@ -134,8 +157,10 @@ def _run(num_blocks: int, repeats: int, kind: str) -> dict:
                         rep.close()
             out["ship_gbps"] = _gbps(nbytes, t)
         finally:
-            proc.terminate()
-            proc.wait(30)
+            for proc in procs:
+                proc.terminate()
+            for proc in procs:
+                proc.wait(60)
     if "te_batch_write_gbps" in out:
         te = out["te_batch_write_gbps"]
         out["push_vs_te"] = round(out["push_gbps"] / te, 3)
