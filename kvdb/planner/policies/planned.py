@@ -50,7 +50,6 @@ ABSENT, LISTED, PINNED = 0, 1, 2
 VALUE_CAP = 64
 PLAN_SLACK_FACTOR = 3.0
 PLAN_SLACK_S = 2.0
-SHARED_SLACK_FACTOR = 1.0  # shared blocks: only ever moved earlier while live, so expire sooner
 TC_ALPHA = 0.05  # EWMA weight of one victim's age in Tc
 LLM_CALL_S = 2.0  # assumed LLM call duration between a node's call and its dependents (W5)
 TOOL_DEFAULT_S = 10.0  # a tool's duration before any has been observed
@@ -92,7 +91,7 @@ class PlannedReplacer(Replacer):
         self._current: tuple = (None, None)  # (session, agent) of the call in progress
         self._chain_open = False  # whether the current call already started its agent's chain
         self._inc = array("q", [0]) * n  # incarnation: bumped each time the frame is freed
-        self._plan_owner: list[tuple | None] = [None] * n  # (session, agent) whose estimate planned it
+        self._interest: list[dict | None] = [None] * n  # (session, agent) -> its next start, per frame
         self._agent_chain: dict[tuple, list[tuple[int, int]]] = {}  # agent -> (frame, inc) of its last call
         self._agent_plan: dict[tuple, float] = {}  # (session, agent) -> t_next it was planned for
         self._tool_s = TOOL_DEFAULT_S
@@ -151,9 +150,9 @@ class PlannedReplacer(Replacer):
     def _replan(self, sid: str, now: float, changed: tuple | None = None) -> None:
         """Plan each agent's last chain for its next node's estimated start (W5).
 
-        A block in several agents' chains (a shared prompt) keeps the earliest estimate; the
-        agent that set it owns the plan and may move it later. ``changed`` names the agent
-        whose chain was just replaced (it is planned whatever its estimate did).
+        Every frame keeps the estimate of each agent whose last chain holds it; its plan is
+        the earliest of them (a shared prompt is needed by whoever runs first). ``changed``
+        names the agent whose chain was just replaced (planned whatever its estimate did).
         """
         wf = self._workflows[sid]
         for agent, t in wf.agent_next_start(now, LLM_CALL_S, self._tool_s).items():
@@ -165,25 +164,33 @@ class PlannedReplacer(Replacer):
             if key != changed and old is not None and (old == t or abs(old - t) <= REPLAN_TOLERANCE_S):
                 continue
             self._agent_plan[key] = t
-            deadline = t + PLAN_SLACK_FACTOR * (t - now) + PLAN_SLACK_S
-            shared_deadline = t + SHARED_SLACK_FACTOR * (t - now) + PLAN_SLACK_S
             for f, inc in chain:
                 if self._inc[f] != inc or self._state[f] == ABSENT or self._leaf[f]:
                     continue
-                owned = self._plan_owner[f] == key
-                live = self._planned[f] and self._deadline[f] > now
-                if t == math.inf:
-                    if owned or not live:
-                        self._plan_owner[f] = None
-                        if not self._shared[f]:
-                            self._h[f] = -math.inf  # nothing left to run for its only user
-                        if self._planned[f]:
-                            self._unplan(f)
-                        else:
-                            self._push_gd(f)
-                elif not live or t < self._t_next[f] or (owned and not self._shared[f]):
-                    self._plan_owner[f] = key
-                    self._set_plan(f, t, shared_deadline if self._shared[f] else deadline, replace=True)
+                d = self._interest[f]
+                if d is None:
+                    d = self._interest[f] = {}
+                d[key] = t
+                self._refresh(f, now)
+
+    def _refresh(self, f: int, now: float) -> None:
+        """Re-plan frame f from the agents interested in it."""
+        d = self._interest[f]
+        if not d:
+            self._interest[f] = None
+            if self._planned[f]:
+                self._unplan(f)
+            return
+        t = min(d.values())
+        if t == math.inf:  # nobody has anything left to run with it
+            if not self._shared[f]:
+                self._h[f] = -math.inf
+            if self._planned[f]:
+                self._unplan(f)
+            else:
+                self._push_gd(f)
+            return
+        self._set_plan(f, t, t + PLAN_SLACK_FACTOR * max(0.0, t - now) + PLAN_SLACK_S, replace=True)
 
     def _observe_tools(self, wf: Workflow, node_id: str, now: float) -> None:
         """Learn tool durations: a node whose dep is a tool started when that tool ended."""
@@ -232,8 +239,15 @@ class PlannedReplacer(Replacer):
             if self._chain_open:
                 self._agent_chain.setdefault(wf_agent, []).extend(links)
             else:
+                old = self._agent_chain.get(wf_agent)
                 self._agent_chain[wf_agent] = links
                 self._chain_open = True
+                if old:  # the agent moved on: it no longer waits for blocks left out of its new chain
+                    keep = set(frames)
+                    for f, i in old:
+                        if inc[f] == i and f not in keep and self._interest[f] is not None:
+                            self._interest[f].pop(wf_agent, None)
+                            self._refresh(f, now)
         L = self._L
         for j, f in enumerate(frames):
             bid = ids[j] if ids is not None else None
@@ -258,11 +272,9 @@ class PlannedReplacer(Replacer):
             self._own(f, sid)
             if plan is not None and not leaf and not self._shared[f]:
                 self._set_plan(f, plan[0], plan[1])
-            elif self._planned[f] and self._deadline[f] > now and (
-                    self._shared[f] or (self._plan_owner[f] is not None and self._plan_owner[f] != wf_agent)):
-                pass  # a shared block's plan stands: other agents may still be waiting for it
+            elif wf_agent is not None and self._planned[f] and self._deadline[f] > now:
+                pass  # its interested agents re-plan it when the call finishes (_replan)
             else:  # an access fulfils the plan (or there was none)
-                self._plan_owner[f] = None
                 if self._planned[f]:
                     self._planned[f] = 0
                     self._pver[f] += 1
@@ -307,7 +319,10 @@ class PlannedReplacer(Replacer):
             self._returns.pop(event.session_id, None)
             self._workflows.pop(event.session_id, None)
             for key in [k for k in self._agent_chain if k[0] == event.session_id]:
-                del self._agent_chain[key]
+                for f, i in self._agent_chain.pop(key):
+                    if self._inc[f] == i and self._interest[f] is not None:
+                        self._interest[f].pop(key, None)
+                        self._refresh(f, self._now)
                 self._agent_plan.pop(key, None)
             for f in sorted(self._session_frames.pop(event.session_id, ())):
                 self._sess[f] = None
@@ -378,7 +393,7 @@ class PlannedReplacer(Replacer):
             self._id[f] = None
         self._hits[f] = 0
         self._inc[f] += 1
-        self._plan_owner[f] = None
+        self._interest[f] = None
         sid = self._sess[f]
         if sid is not None:
             fs = self._session_frames.get(sid)
