@@ -18,9 +18,11 @@ $(STAMP): $(BIN)/python pyproject.toml setup.py native/kvdb_native.c native/buil
 	$(BIN)/pip install -q setuptools wheel cffi
 	$(BIN)/pip install -q --no-build-isolation -e '.[dev]'
 	@# the Mooncake Transfer Engine needs the verbs libraries even for TCP; optional elsewhere
-	-@if command -v apt-get >/dev/null 2>&1 && ! ldconfig -p | grep -q libibverbs.so.1; then \
-		(apt-get update -qq && apt-get install -y -qq libibverbs1 librdmacm1) >/dev/null 2>&1 || true; fi
+	-@if command -v apt-get >/dev/null 2>&1 && ! (ldconfig -p | grep -q libibverbs.so.1 && ldconfig -p | grep -q librdmacm.so.1); then \
+		SUDO=$$( [ "$$(id -u)" = 0 ] || echo 'sudo -n' ); \
+		($$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq libibverbs1 librdmacm1) >/dev/null 2>&1 || true; fi
 	-$(BIN)/pip install -q 'mooncake-transfer-engine-non-cuda>=0.3.13' || echo 'kvdb: Mooncake Transfer Engine not installed; replication uses plain TCP'
+	-@$(BIN)/python -c 'from kvdb.replication.transport import mooncake_import_error as e; r = e(); print("kvdb: Mooncake Transfer Engine unusable (" + r + "); replication uses plain TCP, its tests skip") if r else None'
 	touch $(STAMP)
 
 install: $(STAMP)
