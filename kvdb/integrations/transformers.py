@@ -364,9 +364,10 @@ class PrefixCache:
             return 0
         blocks = blocks_from_cache(past_key_values, have * bt, todo, bt, self._buffer(todo))
         positions = list(range(have, num_full))  # block depth in the chain (I3)
-        self.db.put_blocks(keys[have:], blocks, positions=positions, **put_kwargs)
-        self.stats.saved_blocks += todo
-        return todo
+        # put_blocks skips keys stored further down the chain (after a hole left by an eviction)
+        stored = self.db.put_blocks(keys[have:], blocks, positions=positions, **put_kwargs)
+        self.stats.saved_blocks += stored
+        return stored
 
 
 def _model_dtype(model) -> torch.dtype:

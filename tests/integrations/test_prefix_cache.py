@@ -227,3 +227,24 @@ def test_scattered_frames_restore_exactly(llama, tmp_path):
         ref_logits, ref_produced = reference(llama, ids, n, steps=8)
         assert torch.equal(logits, ref_logits) and produced == ref_produced
         assert db.stats()["tiers"]["host"]["pinned_pages"] == 0
+
+
+@torch.inference_mode()
+def test_save_after_a_hole_counts_only_new_blocks(llama, tmp_path):
+    # Scenario: 8 blocks stored, then block 3 deleted: save stores block 3 only (blocks 4..7
+    # are still there) and the whole prefix is restorable again.
+    ids = tokens(140, 15)
+    with open_db(tmp_path / "db", llama) as db:
+        pc = PrefixCache(db, llama)
+        cache = llama(ids, use_cache=True).past_key_values
+        assert pc.save(ids, cache) == 8
+        keys = db.block_keys(ids[0].tolist())
+        assert db.delete([keys[3]]) == 1
+        assert pc.lookup(ids)[1] == 48
+        assert pc.save(ids, cache) == 1
+        assert pc.stats.saved_blocks == 9
+        cache2, n = pc.lookup(ids)
+        assert n == 128
+        logits, _ = greedy(llama, ids, cache2, n, steps=1)
+        ref_logits, _ = reference(llama, ids, n, steps=1)
+        assert torch.equal(logits, ref_logits)
