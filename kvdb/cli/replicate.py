@@ -40,10 +40,12 @@ def _parse_layout(text: str | None):
 @click.option("--disk-bytes", default=None, type=int, help="disk tier capacity (0: memory only; default: the Db's)")
 @click.option("--layout", "layout_json", default=None, help="layout JSON for a new data directory")
 @click.option("--model-id", default=None, help="model id for a new data directory")
+@click.option("--replica", "replicas", multiple=True, help="HOST:PORT of a follower to ship this node's log to")
 @json_option
 def serve_cmd(db_path, listen, secret_file, transport, node, host_bytes, disk_bytes, layout_json, model_id,
-              as_json) -> None:
-    """Own the Db at --db and serve pushes, lookups and log streams until SIGTERM / SIGINT."""
+              replicas, as_json) -> None:
+    """Own the Db at --db and serve pushes, lookups and log streams until SIGTERM / SIGINT;
+    with --replica, also ship this node's log to those followers."""
     import kvdb
     from kvdb.replication.channel import load_secret
     from kvdb.replication.node import NodeServer
@@ -58,6 +60,12 @@ def serve_cmd(db_path, listen, secret_file, transport, node, host_bytes, disk_by
     try:
         sink = LogSink.for_db(db)
         server = NodeServer(db, listen, secret, node=node, transport=transport, sink=sink)
+        rep = None
+        if replicas:
+            from kvdb.replication.replicator import Replicator
+
+            rep = Replicator(db, replicas=list(replicas), secret=secret, transport=transport, node=server.node)
+            server.leader_status = lambda: rep.status()["followers"]
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: done.set())
         server.start()
@@ -72,6 +80,8 @@ def serve_cmd(db_path, listen, secret_file, transport, node, host_bytes, disk_by
         while not done.wait(0.5):
             pass
         server.stop()
+        if rep is not None:
+            rep.close()
     finally:
         db.close()
     sys.stdout.flush()

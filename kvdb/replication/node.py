@@ -51,6 +51,7 @@ class NodeServer:
         self.db = db
         self.secret = secret
         self.sink = sink  # LogSink for shipped log records (None: this node refuses log streams)
+        self.leader_status = None  # callable -> [follower dicts] when this node ships its own log
         host, port = parse_addr(listen)
         self.region_max_bytes = int(region_max_bytes)
         self._sock = socket.create_server((host, port), reuse_port=False)
@@ -97,6 +98,14 @@ class NodeServer:
             ch.close()
         if self._thread is not None:
             self._thread.join(5)
+
+    def debug_drop_connections(self) -> int:
+        """Test hook: close every open connection (a network drop); the node keeps listening."""
+        with self._lock:
+            chans = list(self._channels)
+        for ch in chans:
+            ch.close()
+        return len(chans)
 
     def __enter__(self) -> "NodeServer":
         return self.start()
@@ -289,6 +298,8 @@ class NodeServer:
                "counters": counters}
         if self.sink is not None:
             out["follower"] = self.sink.status()
+        if self.leader_status is not None:
+            out["followers"] = self.leader_status()
         try:
             out["db"] = self.db.stats()
         except KvdbError as e:

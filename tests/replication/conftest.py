@@ -66,8 +66,9 @@ class NodeProc:
     """A ``kvdb replicate serve`` subprocess (started inside the caller's namespace)."""
 
     def __init__(self, db_path, secret_file, *, port: int = 0, transport: str = "auto", disk_bytes=None,
-                 wait: bool = True):
+                 wait: bool = True, replicas=()):
         self.db_path, self.secret_file, self.transport, self.disk_bytes = db_path, secret_file, transport, disk_bytes
+        self.replicas = list(replicas)
         self.port = port
         self.spawn()
         if wait:
@@ -85,6 +86,8 @@ class NodeProc:
                "--host-bytes", str(256 * LAYOUT.page_bytes)]
         if self.disk_bytes is not None:
             cmd += ["--disk-bytes", str(self.disk_bytes)]
+        for r in self.replicas:
+            cmd += ["--replica", r]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
 
     def wait_ready(self) -> "NodeProc":

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -95,3 +96,24 @@ def test_three_nodes_push_and_status_cli(netns, tmp_path, secret_file, nodes):
     assert r.returncode == 1 and "different shared secrets" in r.stderr
     with pytest.raises(AuthError):
         Peer(b.address, secret=b"w" * 32)
+
+
+def test_daemon_leader_ships_pushes_to_its_follower_and_reports_lag(netns, tmp_path, secret_file, nodes):
+    # Scenario: prefill -> push -> decode node A, which ships its log to B (`serve --replica`).
+    # A's status lists B with its confirmed lsn and lag; once the lag is 0, B holds the blocks.
+    b = nodes(tmp_path / "b", secret_file)
+    a = nodes(tmp_path / "a", secret_file, replicas=[b.address])
+    blocks, keys = make_blocks(5, seed=12), make_keys(5, tag=12)
+    with Peer(a.address, secret=SECRET) as pa:
+        pa.push(keys, blocks, durability="sync")
+        deadline = time.monotonic() + 30
+        while True:
+            (f,) = pa.status()["followers"]
+            if f["confirmed_lsn"] >= 5 and f["lag_records"] == 0 or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+    assert (f["addr"], f["state"], f["lag_records"]) == (b.address, "streaming", 0)
+    hits, got = _fetch(b.address, keys)
+    assert hits == 5 and torch.equal(got, blocks)
+    with Peer(b.address, secret=SECRET) as pb:
+        assert pb.status()["follower"]["applied_lsn"] == f["confirmed_lsn"]
