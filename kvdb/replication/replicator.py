@@ -77,8 +77,16 @@ class Replicator:
         are pinned and sent from the arena in place (host tier) or copied to the host first."""
         keys = list(keys)
         with self.db.pin(keys) as pinned:
+            arena = [p for p in pinned if p.device.type == "cpu"]
             pages = [p if p.device.type == "cpu" else p.cpu() for p in pinned]
-            return self._call(peer, lambda p: p.push(keys, pages, durability=durability))
+
+            def send(peer_conn: Peer) -> PushResult:
+                if peer_conn.uses_engine:
+                    for p in arena:  # the host arena stays registered (once per storage, not per push)
+                        peer_conn.transport.register(p)
+                return peer_conn.push(keys, pages, durability=durability)
+
+            return self._call(peer, send)
 
     def sync_replicas(self, timeout_s: float) -> int:
         """Write back and fsync everything written so far (``db.flush``), then wait until every

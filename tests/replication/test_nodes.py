@@ -98,22 +98,42 @@ def test_three_nodes_push_and_status_cli(netns, tmp_path, secret_file, nodes):
         Peer(b.address, secret=b"w" * 32)
 
 
-def test_daemon_leader_ships_pushes_to_its_follower_and_reports_lag(netns, tmp_path, secret_file, nodes):
+def _caught_up(leader_addr: str, min_lsn: int) -> dict:
+    """Poll the leader's status until its one follower confirmed >= min_lsn with no lag."""
+    deadline = time.monotonic() + 30
+    with Peer(leader_addr, secret=SECRET, transport="tcp") as p:
+        while True:
+            (f,) = p.status()["followers"]
+            if (f["confirmed_lsn"] >= min_lsn and f["lag_records"] == 0) or time.monotonic() > deadline:
+                return f
+            time.sleep(0.05)
+
+
+def test_daemon_leader_ships_pushes_and_survives_a_kill(netns, tmp_path, secret_file, nodes):
     # Scenario: prefill -> push -> decode node A, which ships its log to B (`serve --replica`).
     # A's status lists B with its confirmed lsn and lag; once the lag is 0, B holds the blocks.
+    # A is SIGKILLed and restarted: it recovers its log, B resumes from its own position, and a
+    # second push reaches B too, with no record applied twice.
     b = nodes(tmp_path / "b", secret_file)
     a = nodes(tmp_path / "a", secret_file, replicas=[b.address])
-    blocks, keys = make_blocks(5, seed=12), make_keys(5, tag=12)
+    b1, k1 = make_blocks(5, seed=12), make_keys(5, tag=12)
+    b2, k2 = make_blocks(3, seed=13), make_keys(3, tag=13)
     with Peer(a.address, secret=SECRET) as pa:
-        pa.push(keys, blocks, durability="sync")
-        deadline = time.monotonic() + 30
-        while True:
-            (f,) = pa.status()["followers"]
-            if f["confirmed_lsn"] >= 5 and f["lag_records"] == 0 or time.monotonic() > deadline:
-                break
-            time.sleep(0.05)
+        pa.push(k1, b1, durability="sync")
+    f = _caught_up(a.address, 5)
     assert (f["addr"], f["state"], f["lag_records"]) == (b.address, "streaming", 0)
-    hits, got = _fetch(b.address, keys)
-    assert hits == 5 and torch.equal(got, blocks)
+    hits, got = _fetch(b.address, k1)
+    assert hits == 5 and torch.equal(got, b1)
+    lsn1 = f["confirmed_lsn"]
+
+    a.kill()
+    a.start()
+    with Peer(a.address, secret=SECRET) as pa:
+        pa.push(k2, b2, durability="sync")
+    f = _caught_up(a.address, lsn1 + 3)
+    assert f["lag_records"] == 0 and f["confirmed_lsn"] >= lsn1 + 3
+    hits, got = _fetch(b.address, k1 + k2)
+    assert hits == 8 and torch.equal(got, torch.cat([b1, b2]))
     with Peer(b.address, secret=SECRET) as pb:
-        assert pb.status()["follower"]["applied_lsn"] == f["confirmed_lsn"]
+        st = pb.status()["follower"]
+    assert st["applied_lsn"] == f["confirmed_lsn"] and st["duplicates"] == 0

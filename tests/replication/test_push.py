@@ -130,3 +130,37 @@ def test_block_damaged_by_the_engine_is_rejected(server):
         p.push(keys, make_blocks(3, seed=5), durability="none")
     p.close()
     assert server.db.match_prefix(keys) == 0
+
+
+@pytest.mark.parametrize("server", TRANSPORTS, indirect=True)
+def test_replicator_pushes_pinned_pages_and_fetches_missing_ones(server, tmp_path):
+    # Scenario: a prefill Db holds 6 blocks; Replicator.push sends 4 of them from its pinned
+    # arena pages (registered with the engine once, no staging copy) to the decode node. A third
+    # Db with the decode node as its peer misses locally, fetches the 4 from the peer (the 5th
+    # key is nowhere), and then holds them bit-exact.
+    from kvdb.replication.replicator import Replicator
+
+    blocks, keys = make_blocks(6, seed=6), make_keys(6, tag=6)
+    kind = server.transport.kind
+    with kvdb.open(tmp_path / "prefill", layout=LAYOUT, model_id="m", host_bytes=16 * LAYOUT.page_bytes,
+                   disk_bytes=0) as prefill:
+        prefill.put_blocks(keys, blocks)
+        rep = Replicator(prefill, secret=SECRET, transport=kind)
+        try:
+            r = rep.push(keys[:4], server.address, durability="none")
+            assert (r.num_blocks, r.transport) == (4, kind)
+        finally:
+            rep.close()
+    assert torch.equal(_stored(server.db, keys[:4]), blocks[:4])
+    with kvdb.open(tmp_path / "other", layout=LAYOUT, model_id="m", host_bytes=16 * LAYOUT.page_bytes,
+                   disk_bytes=0) as other:
+        rep = Replicator(other, peers=[server.address], secret=SECRET, transport=kind)
+        try:
+            assert rep.fetch_missing(keys[:5]) == 4
+            assert rep.fetch_missing(keys[:4]) == 4  # now local: no peer call needed
+        finally:
+            rep.close()
+        out = torch.empty((4, *LAYOUT.block_shape), dtype=LAYOUT.dtype)
+        other.get_blocks(keys[:4], out=out)
+        assert torch.equal(out, blocks[:4])
+    assert server.status()["counters"]["lookups"] == 1
