@@ -3,7 +3,8 @@
     .venv/bin/python tools/planner_figures.py [--shared DIR] [--json]
 
 DIR defaults to ../shared/traces relative to the repository. Agent traces come from
-tools/workflows/agents.json (hints exact, sigma = 1 noise, and none).
+tools/workflows/agents.json (hints exact, sigma = 1 noise, and none; with and
+without their workflow lines).
 """
 
 from __future__ import annotations
@@ -23,9 +24,10 @@ FRACTIONS = (0.005, 0.01, 0.02, 0.05)
 POLICIES = ("lru", "arc", "kvflow", "tokencake", "belady", "kvdb")
 
 
-def agent_trace(**kw):
+def agent_trace(workflows: bool = True, **kw):
     p = load_params(str(REPO / "tools" / "workflows" / "agents.json"), **kw)
-    return parse_trace("\n".join(json.dumps(x) for x in generate(p)), source="agents")
+    lines = [x for x in generate(p) if workflows or x.get("type") != "workflow"]
+    return parse_trace("\n".join(json.dumps(x) for x in lines), source="agents")
 
 
 def main() -> None:
@@ -41,6 +43,8 @@ def main() -> None:
     traces["agents, hints"] = agent_trace()
     traces["agents, sigma=1 noise"] = agent_trace(hint_noise_sigma=1.0)
     traces["agents, no hints"] = agent_trace(hints=False)
+    traces["agents, hints, no workflow"] = agent_trace(workflows=False)
+    traces["agents, no hints, no workflow"] = agent_trace(workflows=False, hints=False)
     rows = []
     for name, t in traces.items():
         for fr in FRACTIONS:

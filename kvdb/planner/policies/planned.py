@@ -7,14 +7,14 @@ Each resident block is in one of two classes:
   - Sessions with a declared workflow: after each of the session's calls, every agent's
     *last chain* (all blocks of its latest call) is planned for the estimated start of the
     agent's next LLM node (kvdb.planner.workflow W5: critical path over the DAG with the
-    tools' expected durations, or an EWMA of observed tool waits). An agent with nothing
-    left to run releases its private blocks (H = -inf). A block in several chains (a
-    shared prompt) keeps the earliest live estimate; the agent that set it owns the plan.
+    tools' expected durations, or an EWMA of observed tool waits). A block keeps the
+    estimate of every agent whose last chain holds it and is planned for the earliest (a
+    shared prompt is needed by whoever runs first); when no interested agent has anything
+    left to run, a private block is released (H = -inf).
   - Sessions without one: hint ``expected_tool_duration_s`` d plans the call's private
     blocks for now + d; ``ttl_s`` keeps them until now + ttl.
-  A plan has a deadline (t_next + 3 (t_next - now) + 2 s for private blocks -- slack for
-  noisy hints, σ = 1 in log space is a factor e either way -- and 1x for shared ones, whose
-  plans only ever move earlier while live); past it the block becomes unplanned.
+  A plan has a deadline, t_next + 3 (t_next - now) + 2 s (slack for noisy hints: σ = 1 in
+  log space is a factor e either way); past it the block becomes unplanned.
 * **unplanned**: GreedyDual over a learned value. Key H = L + v with
   v = min(accesses, 64) * (1 + priority), 0 for the last block of a call (almost always a
   partial block: the next turn's longer prompt changes its hash, so it is reused ~1 % of the
