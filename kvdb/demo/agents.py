@@ -25,6 +25,7 @@ virtual clock (tool waits are not slept; LLM calls advance it by their measured 
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import math
 import os
@@ -215,6 +216,12 @@ class _Counters:
     calls: list = field(default_factory=list)
 
 
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
 def _tier_hits(db) -> tuple[int, int]:
     tiers = db.stats()["tiers"]
     return tiers.get("device", {}).get("hits", 0), tiers["host"]["hits"]
@@ -261,19 +268,23 @@ def run_demo(cfg: DemoConfig, log: Callable[[str], None] | None = None, live: bo
 
     def llm(node, agent, prompt, now, hints):
         ids = torch.tensor([prompt], dtype=torch.long)
+        # each prefill is timed twice (best of 2, baseline and kvdb alike): a single timing on
+        # a shared machine is at the mercy of whatever else runs at that moment
         # without kvdb: the whole prompt
-        t0 = time.perf_counter()
-        base = prefill(model, ids)
-        without_s = time.perf_counter() - t0
-        first_base = int(base.logits[0, -1].argmax())
-        del base
+        without_s = min(_timed(lambda: prefill(model, ids)) for _ in range(2))
         # with kvdb: restore the longest stored prefix, prefill the rest
         ctx, _ = planner.call_started(agent, agent_id=agent, hints=hints, now_s=now)
         dev0, host0 = _tier_hits(db)
         t0 = time.perf_counter()
         cache, n = pc.lookup(ids, ctx=ctx)
+        lookup_s = time.perf_counter() - t0
+        spare = copy.deepcopy(cache)  # a forward pass extends its cache in place
+        suffix_a = _timed(lambda: prefill(model, ids[:, n:], spare))
+        t0 = time.perf_counter()
         out = prefill(model, ids[:, n:], cache)
-        with_s = time.perf_counter() - t0
+        with_s = lookup_s + min(suffix_a, time.perf_counter() - t0)
+        del spare
+        first_base = int(prefill(model, ids).logits[0, -1].argmax())
         dev1, host1 = _tier_hits(db)
         nxt = out.logits[:, -1:].argmax(-1)
         first = int(nxt)
@@ -399,6 +410,7 @@ class _LiveBar:
 
 def render(res: dict, console) -> None:
     """Terminal rendering of a demo run."""
+    from rich import box
     from rich.table import Table
 
     from kvdb.planner.explain import render as render_explain
@@ -407,11 +419,13 @@ def render(res: dict, console) -> None:
         console.width = max(console.width, 132)
     console.print("[bold]EXPLAIN[/] (the planner's plan for the workflow)")
     console.print(render_explain(res["explain"]), highlight=False, soft_wrap=True)
-    t = Table("call", "agent", "prompt", "cached", "device", "host", "disk", "no kvdb ms", "kvdb ms", "speedup",
-              "same 1st", title="per-call TTFT (tokens; cached = device + host + disk)")
+    t = Table(title="per call: tokens by tier; TTFT in ms, full prefill vs kvdb; same first token",
+              box=box.SIMPLE_HEAD, padding=(0, 1))
+    for name in ("call", "prompt", "cached", "dev/host/disk", "full", "kvdb", "speedup", "same"):
+        t.add_column(name, no_wrap=True, justify="left" if name == "call" else "right")
     for c in res["calls"]:
-        t.add_row(c["node"], c["agent"], str(c["prompt_tokens"]), str(c["cached_tokens"]), str(c["device_tokens"]),
-                  str(c["host_tokens"]), str(c["disk_tokens"]), f"{c['ttft_without_s'] * 1e3:.1f}",
+        t.add_row(c["node"], str(c["prompt_tokens"]), str(c["cached_tokens"]),
+                  f"{c['device_tokens']}/{c['host_tokens']}/{c['disk_tokens']}", f"{c['ttft_without_s'] * 1e3:.1f}",
                   f"{c['ttft_with_s'] * 1e3:.1f}", f"{c['ttft_without_s'] / c['ttft_with_s']:.2f}x",
                   "yes" if c["first_token_same"] else "NO")
     console.print(t)
@@ -423,7 +437,8 @@ def render(res: dict, console) -> None:
                   f"{res['first_tokens_identical']}/{res['llm_calls']} calls")
     console.print(f"prefetched {res['prefetched_blocks']} blocks during tool waits ({res['prefetch_s'] * 1e3:.1f} ms); "
                   f"hints: {res['hint_outcomes']}")
-    tiers = Table("tier", "pages", "capacity", "evictions", "demotions", "promotions", title="tiers at the end")
+    tiers = Table("tier", "pages", "capacity", "evictions", "demotions", "promotions", title="tiers at the end",
+                  box=box.SIMPLE_HEAD)
     for name, tt in res["tiers"].items():
         tiers.add_row(name, str(tt.get("pages", "")), str(tt.get("capacity_pages", "")), str(tt.get("evictions", "")),
                       str(tt.get("demotions", "")), str(tt.get("promotions", "")))
