@@ -161,8 +161,9 @@ def wal_dump_cmd(path: str, segment_no: int | None, as_json: bool) -> None:
 @click.option("--threads", default=8, show_default=True, help="writer threads for the group-commit figure")
 @click.option("--ops", default=400, show_default=True, help="small puts per thread (and for the sync figure)")
 @click.option("--recovery-mib", default=1024, show_default=True, help="log replayed for the recovery figure; 0 skips")
+@click.option("--repeats", default=3, show_default=True, help="bandwidth runs; figures are their medians")
 @json_option
-def bench_cold_cmd(dir_path, total_mib, batch_pages, threads, ops, recovery_mib, as_json) -> None:
+def bench_cold_cmd(dir_path, total_mib, batch_pages, threads, ops, recovery_mib, repeats, as_json) -> None:
     """Disk tier write / read vs raw write+fsync / read of the same bytes; group vs sync commits."""
     from kvdb.cold.bench import run
 
@@ -171,9 +172,9 @@ def bench_cold_cmd(dir_path, total_mib, batch_pages, threads, ops, recovery_mib,
 
         def tick() -> None:
             steps[0] += 1
-            bar(steps[0], 5)
+            bar(steps[0], 3)
 
-        res = run(dir_path, total_mib << 20, batch_pages, threads, ops, ops, recovery_mib << 20, tick)
+        res = run(dir_path, total_mib << 20, batch_pages, threads, ops, ops, recovery_mib << 20, tick, repeats)
     emit(res, as_json)
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import statistics
 import tempfile
 import threading
 import time
@@ -55,7 +56,7 @@ def _keys(n: int, tag: int) -> list[bytes]:
     return [tag.to_bytes(4, "little") + i.to_bytes(12, "little") for i in range(n)]
 
 
-def bench_bandwidth(root: str, total_bytes: int, batch_pages: int, progress=None) -> dict:
+def bench_bandwidth(root: str, total_bytes: int, batch_pages: int) -> dict:
     page = BIG.page_bytes
     n_batches = max(1, total_bytes // (page * batch_pages))
     rng = np.random.default_rng(0)
@@ -82,8 +83,6 @@ def bench_bandwidth(root: str, total_bytes: int, batch_pages: int, progress=None
                 write_s += t2 - t1
         finally:
             os.close(fd)
-        if progress:
-            progress()
 
         out = np.empty_like(pages)
         store.flush()
@@ -103,8 +102,6 @@ def bench_bandwidth(root: str, total_bytes: int, batch_pages: int, progress=None
                 assert got == out.nbytes
         finally:
             os.close(fd)
-        if progress:
-            progress()
         assert hits == n_batches * batch_pages and (out == pages).all()
     finally:
         store.close()
@@ -206,10 +203,26 @@ def bench_recovery(root: str, log_bytes: int) -> dict:
 
 def run(dir_path: str | None = None, total_bytes: int = 512 << 20, batch_pages: int = 32,
         threads: int = 8, ops_per_thread: int = 400, sync_ops: int = 400,
-        recovery_bytes: int = GIB, progress=None) -> dict:
+        recovery_bytes: int = GIB, progress=None, repeats: int = 3) -> dict:
     root = tempfile.mkdtemp(prefix="kvdb-bench-cold-", dir=dir_path)
     try:
-        res = bench_bandwidth(root, total_bytes, batch_pages, progress)
+        # each figure is the median of `repeats` interleaved runs: a shared disk's noise moves
+        # single runs by 2x, and baseline and store stay paired within each run
+        runs = []
+        for r in range(repeats):
+            sub = os.path.join(root, f"bw{r}")
+            os.mkdir(sub)
+            runs.append(bench_bandwidth(sub, max(total_bytes // repeats, BIG.page_bytes * batch_pages), batch_pages))
+            shutil.rmtree(sub, ignore_errors=True)
+        res = dict(runs[0])
+        for k in ("raw_write_gbps", "write_gbps", "raw_read_gbps", "read_gbps"):
+            res[k] = statistics.median(x[k] for x in runs)
+        res["bytes"] = sum(x["bytes"] for x in runs)
+        res["repeats"] = repeats
+        res["write_vs_raw_runs"] = [round(x["write_gbps"] / x["raw_write_gbps"], 3) for x in runs]
+        res["read_vs_raw_runs"] = [round(x["read_gbps"] / x["raw_read_gbps"], 3) for x in runs]
+        if progress:
+            progress()
         res.update(bench_commits(root, threads, ops_per_thread, sync_ops))
         if progress:
             progress()
@@ -219,8 +232,8 @@ def run(dir_path: str | None = None, total_bytes: int = 512 << 20, batch_pages: 
             progress()
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    res["write_vs_raw"] = round(res["write_gbps"] / res["raw_write_gbps"], 3)
-    res["read_vs_raw"] = round(res["read_gbps"] / res["raw_read_gbps"], 3)
+    res["write_vs_raw"] = statistics.median(res["write_vs_raw_runs"])
+    res["read_vs_raw"] = statistics.median(res["read_vs_raw_runs"])
     res["group_vs_sync"] = round(res["group_commit_ops_s"] / res["sync_ops_s"], 2)
     goals = {
         "write_vs_raw >= 0.8": res["write_vs_raw"] >= 0.8,

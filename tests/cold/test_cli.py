@@ -70,11 +70,12 @@ def test_verify_without_a_manifest_is_a_runtime_error(tmp_path):
 
 def test_bench_cold_json_reports_every_figure(tmp_path):
     r = run("bench", "cold", "--json", "--dir", str(tmp_path), "--total-mib", "8", "--batch-pages", "2",
-            "--threads", "2", "--ops", "10", "--recovery-mib", "4")
+            "--threads", "2", "--ops", "10", "--recovery-mib", "4", "--repeats", "2")
     assert r.exit_code == 0, r.output
     res = json.loads(r.stdout)
     for k in ("raw_write_gbps", "write_gbps", "raw_read_gbps", "read_gbps", "group_commit_ops_s", "sync_ops_s",
               "write_vs_raw", "read_vs_raw", "group_vs_sync", "recovery_s", "goals"):
         assert k in res, k
-    assert res["bytes"] == 8 << 20 and res["recovery_ok"] is True
+    assert res["bytes"] == 8 << 20 and res["repeats"] == 2 and len(res["read_vs_raw_runs"]) == 2
+    assert res["recovery_ok"] is True
     assert list(tmp_path.iterdir()) == []  # scratch files removed
