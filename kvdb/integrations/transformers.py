@@ -187,7 +187,11 @@ class LookupStats:
 
 
 class PrefixCache:
-    """Restores and saves a transformers model's KV through a kvdb Db (see the module doc)."""
+    """Restores and saves a transformers model's KV through a kvdb Db (see the module doc).
+
+    Not thread-safe (it reuses one staging buffer): use one PrefixCache per engine thread; they
+    can share the Db, which is.
+    """
 
     def __init__(self, db, model, *, tenant: str = "default"):
         config = model.config
