@@ -125,7 +125,7 @@ def _render_status(s: dict, console) -> None:
 @click.option("--blocks", default=64, show_default=True, help="2 MiB blocks per round")
 @click.option("--repeats", default=3, show_default=True)
 @click.option("--transport", type=click.Choice(["auto", "mooncake", "tcp"]), default="auto", show_default=True)
-@click.option("--chunk-mib", default=32, show_default=True, help="MiB per push / ship chunk (two in flight)")
+@click.option("--chunk-mib", default=64, show_default=True, help="MiB per push chunk (two in flight)")
 @json_option
 def bench_replication_cmd(blocks: int, repeats: int, transport: str, chunk_mib: int, as_json: bool) -> None:
     """Push and log shipping of 2 MiB blocks over loopback vs the engine's own batch write."""

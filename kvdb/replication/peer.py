@@ -40,7 +40,7 @@ from kvdb.replication.protocol import MsgType
 from kvdb.replication.transport import Transport, get_transport
 from kvdb.types import KEY_BYTES
 
-DEFAULT_CHUNK_BYTES = 32 << 20  # bytes per PUT_BLOCKS chunk; two are in flight
+DEFAULT_CHUNK_BYTES = 64 << 20  # bytes per PUT_BLOCKS chunk; two are in flight (64 MiB measured best)
 DURABILITY = ("none", "group", "sync")
 
 
