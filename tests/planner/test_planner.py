@@ -248,3 +248,27 @@ def test_kvdb_plans_an_agent_for_its_next_node():
     assert r.predicted_return("s") is None  # no hint: only the workflow plans
     # estimates at 12 s: w's b at 44 (a ends 14, tool 30 s), c's g at 46
     assert [r.evict() for _ in range(8)] == [3, 7, 2, 1, 0, 6, 5, 4]  # leaves (junk), then c, then w
+
+
+def test_kvdb_shared_block_is_planned_for_its_earliest_agent():
+    # Scenario: agents c and w share the prefix blocks 0-1 (same system prompt). After p,
+    # w's next node (a) starts at 12 s and c's (g) at 46 s: the shared blocks follow w (12),
+    # c's private block follows c (46). When w has run a, its next start is b at 44 s, so the
+    # shared blocks move to min(44, 46) = 44.
+    r = make_policy("kvdb", 16)
+    p = Planner([r], clock=lambda: 0.0)
+    p.begin_session("s", workflow=DAG)
+    ctx, _ = p.call_started("s", node_id="p", now_s=10.0)
+    r.record_access([0, 1, 2, 3], ["sys0", "sys1", "c0", "cleaf"], ctx)
+    p.call_finished("s", node_id="p", now_s=10.0)
+    assert [r.debug_plan(f) for f in range(4)] == [46.0, 46.0, 46.0, None]  # only c so far
+    ctx, _ = p.call_started("s", node_id="a", now_s=12.0)
+    r.record_access([0, 1, 4, 5], ["sys0", "sys1", "w0", "wleaf"], ctx)
+    p.call_finished("s", node_id="a", now_s=12.0)
+    assert [r.debug_plan(f) for f in range(6)] == [44.0, 44.0, 46.0, None, 44.0, None]
+    ctx, _ = p.call_started("s", node_id="b", now_s=44.0)
+    r.record_access([0, 1, 4, 6, 7], ["sys0", "sys1", "w0", "w1", "wleaf2"], ctx)
+    p.call_finished("s", node_id="b", now_s=44.0)
+    # w has nothing left: its private blocks are released; the shared ones follow c's g (46)
+    assert [r.debug_plan(f) for f in (0, 1, 2, 4, 6)] == [46.0, 46.0, 46.0, None, None]
+    assert [r.evict() for _ in range(5)] == [6, 4, 7, 3, 5]  # released (-inf) first, then last blocks

@@ -432,3 +432,7 @@ class PlannedReplacer(Replacer):
 
     def debug_tc(self) -> float:
         return self._tc
+
+    def debug_plan(self, frame: int) -> float | None:
+        """The frame's planned next use, None when it is not planned (tests only)."""
+        return self._t_next[frame] if self._planned[frame] and self._state[frame] != ABSENT else None
