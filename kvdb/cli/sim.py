@@ -14,11 +14,12 @@ from kvdb.errors import InvalidInput
 def _progress(total: int, enabled: bool):
     if not enabled:
         return nullcontext(None)
+    from rich.console import Console
     from rich.progress import Progress
 
     class _Bar:
         def __init__(self) -> None:
-            self.p = Progress(transient=True, console=None)
+            self.p = Progress(transient=True, console=Console(stderr=True))  # data stays on stdout
 
         def __enter__(self):
             self.p.__enter__()
@@ -42,7 +43,8 @@ def _progress(total: int, enabled: bool):
 @click.option("--host-factor", type=float, default=4.0, show_default=True,
               help="--timed: host tier capacity as a multiple of the device capacity")
 @click.option("--json", "as_json", is_flag=True, help="print a JSON list, one object per (policy, capacity)")
-@click.option("--per-request-out", type=click.Path(dir_okay=False), help="write one JSON line per call (hit blocks)")
+@click.option("--per-request-out", type=click.Path(dir_okay=False),
+              help="write one JSON line per (policy, capacity, call), calls in trace order: its hit blocks")
 @click.option("--plot", type=click.Path(dir_okay=False), help="draw hit ratio against capacity per policy (PNG)")
 def sim_cmd(trace, policies, capacities, fractions, timed, host_factor, as_json, per_request_out, plot):
     """Replay TRACE (Mooncake or kvdb JSONL) under each policy and capacity."""
@@ -55,8 +57,6 @@ def sim_cmd(trace, policies, capacities, fractions, timed, host_factor, as_json,
             raise click.UsageError(f"unknown policy {p!r}; one of {', '.join(sorted(POLICIES))}")
     if not capacities and not fractions:
         raise click.UsageError("give --capacity N or --capacity-fraction F")
-    if per_request_out and (len(policies) * (len(capacities) + len(fractions)) != 1):
-        raise click.UsageError("--per-request-out needs exactly one policy and one capacity")
     t = read_trace(trace)
     caps = list(capacities) + [capacity_for(t, f) for f in fractions]
     rows = []
@@ -73,7 +73,10 @@ def sim_cmd(trace, policies, capacities, fractions, timed, host_factor, as_json,
             for c in caps:
                 for p in policies:
                     with _progress(len(t.calls), show) as adv:
-                        sink = (lambda d: out.write(json.dumps(d, separators=(",", ":")) + "\n")) if out else None
+                        sink = None
+                        if out:
+                            def sink(d, p=p, c=c):
+                                out.write(json.dumps({"policy": p, "capacity_blocks": c, **d}, separators=(",", ":")) + "\n")
                         rows.append(replay(t, p, c, per_request=sink, progress=adv).as_dict())
         finally:
             if out:
