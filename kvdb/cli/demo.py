@@ -27,9 +27,10 @@ def _need_transformers() -> None:
 @click.option("--block-tokens", default=16, show_default=True)
 @click.option("--repeats", default=5, show_default=True, help="rounds; each figure is the best round")
 @click.option("--data-dir", type=click.Path(file_okay=False), default=None, help="default: a temporary directory")
+@click.option("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
 @json_option
 def bench_ttft_cmd(prompt_tokens: int, stored_fraction: float, block_tokens: int, repeats: int,
-                   data_dir: str | None, as_json: bool) -> None:
+                   data_dir: str | None, threads: int | None, as_json: bool) -> None:
     """TTFT of a long prompt: full prefill vs restoring the stored part from host / disk + suffix prefill.
 
     ideal_speedup = full / suffix prefill (a cache already in memory); host_speedup and
@@ -40,6 +41,12 @@ def bench_ttft_cmd(prompt_tokens: int, stored_fraction: float, block_tokens: int
 
     if repeats < 1:
         raise click.BadParameter("must be >= 1", param_hint="--repeats")
+    if threads is not None:
+        if threads < 1:
+            raise click.BadParameter("must be >= 1", param_hint="--threads")
+        import torch
+
+        torch.set_num_threads(threads)
     with progress(repeats, "bench ttft", enabled=not as_json) as advance:
         res = bench_ttft(prompt_tokens_n=prompt_tokens, stored_fraction=stored_fraction, block_tokens=block_tokens,
                          repeats=repeats, data_dir=data_dir, progress=advance)
