@@ -43,6 +43,7 @@ from collections import OrderedDict
 from typing import Any, Hashable
 
 from kvdb.buffer_pool.replacer import AccessContext, Replacer
+from kvdb.errors import InvalidInput
 from kvdb.planner.events import CallFinished, CallStarted, HintGiven, SessionBegan, SessionEnded
 from kvdb.planner.workflow import Workflow
 
@@ -51,7 +52,8 @@ VALUE_CAP = 64
 PLAN_SLACK_FACTOR = 3.0
 PLAN_SLACK_S = 2.0
 TC_ALPHA = 0.05  # EWMA weight of one victim's age in Tc
-LLM_CALL_S = 2.0  # assumed LLM call duration between a node's call and its dependents (W5)
+LLM_CALL_S = 2.0  # default time from a node's CallFinished to its end (W5): the simulator
+# reports calls at their arrival; an engine that reports them when they finish passes 0
 TOOL_DEFAULT_S = 10.0  # a tool's duration before any has been observed
 TOOL_ALPHA = 0.1  # EWMA weight of one observed tool wait
 REPLAN_TOLERANCE_S = 0.5
@@ -60,7 +62,7 @@ REPLAN_TOLERANCE_S = 0.5
 class PlannedReplacer(Replacer):
     name = "kvdb"
 
-    def __init__(self, num_frames: int) -> None:
+    def __init__(self, num_frames: int, llm_call_s: float = LLM_CALL_S) -> None:
         super().__init__(num_frames)
         n = num_frames
         self._state = bytearray(n)
@@ -95,6 +97,9 @@ class PlannedReplacer(Replacer):
         self._agent_chain: dict[tuple, list[tuple[int, int]]] = {}  # agent -> (frame, inc) of its last call
         self._agent_plan: dict[tuple, float] = {}  # (session, agent) -> t_next it was planned for
         self._tool_s = TOOL_DEFAULT_S
+        if not llm_call_s >= 0:
+            raise InvalidInput(f"llm_call_s must be a number >= 0, got {llm_call_s!r}")
+        self._llm_s = float(llm_call_s)
 
     def predicted_return(self, session_id: str) -> float | None:
         """When the session's next call is expected (hint-based), for prefetch; None if unknown."""
@@ -155,7 +160,7 @@ class PlannedReplacer(Replacer):
         names the agent whose chain was just replaced (planned whatever its estimate did).
         """
         wf = self._workflows[sid]
-        for agent, t in wf.agent_next_start(now, LLM_CALL_S, self._tool_s).items():
+        for agent, t in wf.agent_next_start(now, self._llm_s, self._tool_s).items():
             key = (sid, agent)
             chain = self._agent_chain.get(key)
             if not chain:
@@ -198,7 +203,7 @@ class PlannedReplacer(Replacer):
             tn = wf.nodes[t]
             if tn.kind != "tool":
                 continue
-            starts = [wf.done_s[d] + LLM_CALL_S for d in tn.deps if d in wf.done_s]
+            starts = [wf.done_s[d] + self._llm_s for d in tn.deps if d in wf.done_s]
             if starts:
                 obs = max(0.0, now - max(starts))
                 self._tool_s += TOOL_ALPHA * (obs - self._tool_s)
