@@ -68,7 +68,8 @@ class NodeServer:
         self._channels: set[Channel] = set()
         self._free_regions: list[Region] = []  # landing regions of closed connections, for reuse
         self.counters = {"connections": 0, "auth_failures": 0, "corrupt_frames": 0, "blocks_received": 0,
-                         "bytes_received": 0, "lookups": 0, "blocks_served": 0, "errors": 0}
+                         "bytes_received": 0, "lookups": 0, "blocks_served": 0, "blocks_served_by_engine": 0,
+                         "errors": 0}
         self._stopping = False
         self._thread: threading.Thread | None = None
 
@@ -149,6 +150,7 @@ class NodeServer:
         with self._lock:
             self._channels.add(ch)
         region: Region | None = None
+        staging: list[torch.Tensor] = []  # registered buffer lookups are sent from (this connection)
         try:
             while not ch.closed:
                 try:
@@ -159,7 +161,7 @@ class NodeServer:
                         log.warning("%s", e)
                     return
                 try:
-                    region = self._dispatch(ch, msg, region)
+                    region = self._dispatch(ch, msg, region, staging)
                 except _Refuse as e:
                     self._count("errors")
                     if e.code == ErrorCode.CORRUPT:
@@ -182,15 +184,17 @@ class NodeServer:
                 self._channels.discard(ch)
             if region is not None:
                 self._release_region(region)
+            for t in staging:
+                self.transport.unregister(t)
 
-    def _dispatch(self, ch: Channel, msg: Message, region: Region | None) -> Region | None:
+    def _dispatch(self, ch: Channel, msg: Message, region: Region | None, staging: list) -> Region | None:
         t = msg.type
         if t == MsgType.PUT_BLOCKS:
             self._put_blocks(ch, msg, region)
         elif t == MsgType.OPEN_REGION:
             region = self._open_region(ch, msg, region)
         elif t == MsgType.LOOKUP:
-            self._lookup(ch, msg)
+            self._lookup(ch, msg, staging)
         elif t == MsgType.PING:
             ch.send(MsgType.PONG, {})
         elif t == MsgType.STATUS:
@@ -270,7 +274,7 @@ class NodeServer:
         self._count("bytes_received", n * page)
         ch.send(MsgType.PUT_ACK, {"chunk": m.get("chunk"), "blocks": n})
 
-    def _lookup(self, ch: Channel, msg: Message) -> None:
+    def _lookup(self, ch: Channel, msg: Message, staging: list) -> None:
         n = msg.meta.get("keys")
         if not isinstance(n, int) or n < 0:
             raise _Refuse(ErrorCode.PROTOCOL, "LOOKUP needs a key count")
@@ -278,18 +282,39 @@ class NodeServer:
         self._count("lookups")
         hits = self.db.match_prefix(keys) if n else 0
         lay = self.db.layout
+        page = lay.page_bytes
         if not msg.meta.get("fetch") or hits == 0:
-            ch.send(MsgType.LOOKUP_REPLY, {"hits": hits, "page_bytes": lay.page_bytes})
+            ch.send(MsgType.LOOKUP_REPLY, {"hits": hits, "page_bytes": page})
             return
-        out = torch.empty((hits, *lay.block_shape), dtype=lay.dtype)
+        dest = msg.meta.get("region")
+        engine = (isinstance(dest, dict) and self.transport.can_write_to(dest.get("transport"))
+                  and isinstance(dest.get("addr"), int) and isinstance(dest.get("bytes"), int)
+                  and hits * page <= dest["bytes"])
+        if engine:  # read into this connection's registered staging buffer, then write it out
+            if not staging or staging[0].numel() < hits * page:
+                if staging:
+                    self.transport.unregister(staging.pop())
+                staging.append(torch.empty(max(hits, 1) * page, dtype=torch.uint8))
+                self.transport.register(staging[0])
+            out = staging[0][: hits * page].view(lay.dtype).view(hits, *lay.block_shape)
+        else:
+            out = torch.empty((hits, *lay.block_shape), dtype=lay.dtype)
         try:
             self.db.get_blocks(keys[:hits], out=out)
         except NotFound:  # evicted between match and read: report a miss, never partial bytes
-            ch.send(MsgType.LOOKUP_REPLY, {"hits": 0, "page_bytes": lay.page_bytes})
+            ch.send(MsgType.LOOKUP_REPLY, {"hits": 0, "page_bytes": page})
             return
-        rows = out.view(torch.uint8).reshape(hits, lay.page_bytes)
+        rows = out.view(torch.uint8).reshape(hits, page)
         self._count("blocks_served", hits)
-        ch.send(MsgType.LOOKUP_REPLY, {"hits": hits, "page_bytes": lay.page_bytes}, [rows.numpy()])
+        if engine:
+            handle = self.transport.write_async(dest["transport"], [(r.data_ptr(), page) for r in rows],
+                                                [dest["addr"] + i * page for i in range(hits)])
+            digests = block_digests(rows)  # overlaps the transfer
+            self.transport.wait(handle)
+            self._count("blocks_served_by_engine", hits)
+            ch.send(MsgType.LOOKUP_REPLY, {"hits": hits, "page_bytes": page, "via": "engine", "digests": digests})
+        else:
+            ch.send(MsgType.LOOKUP_REPLY, {"hits": hits, "page_bytes": page}, [rows.numpy()])
 
     def status(self) -> dict:
         with self._lock:

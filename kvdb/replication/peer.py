@@ -99,6 +99,7 @@ class Peer:
         self.peer_layout = self.channel.peer_meta.get("layout")
         self.chunk_bytes = int(chunk_bytes)
         self._region: dict | None = None  # the peer's landing region for this connection
+        self._recv: torch.Tensor | None = None  # registered buffer the peer writes lookups into
 
     @property
     def uses_engine(self) -> bool:
@@ -106,6 +107,9 @@ class Peer:
 
     def close(self) -> None:
         self.channel.close()
+        if self._recv is not None:
+            self.transport.unregister(self._recv)
+            self._recv = None
 
     def __enter__(self) -> "Peer":
         return self
@@ -210,11 +214,26 @@ class Peer:
     # ------------------------------------------------------------------ lookup
 
     def lookup(self, keys, *, fetch: bool = True) -> tuple[int, torch.Tensor | None]:
-        """Longest prefix of ``keys`` the peer holds and, with ``fetch``, those blocks as
-        a [hits, page_bytes] uint8 tensor (the caller views it in its layout). The blocks come
-        inline in the HMAC-tagged reply."""
+        """Longest prefix of ``keys`` the peer holds and, with ``fetch``, those blocks as a
+        [hits, page_bytes] uint8 tensor (view it in the layout).
+
+        With the engine on both ends the peer writes the blocks into this connection's
+        registered receive buffer and sends their XXH3-128 digests, checked here; the tensor
+        is then a view of that buffer, valid until the next ``lookup`` on this Peer (copy or
+        store it first). Otherwise the blocks come inline in the HMAC-tagged reply."""
         keys = list(keys)
-        self.channel.send(MsgType.LOOKUP, {"keys": len(keys), "fetch": bool(fetch)}, [encode_keys(keys)])
+        meta = {"keys": len(keys), "fetch": bool(fetch)}
+        page = int((self.peer_layout or {}).get("page_bytes") or 0)
+        if fetch and keys and page and self.uses_engine:
+            need = len(keys) * page
+            if self._recv is None or self._recv.numel() < need:
+                if self._recv is not None:
+                    self.transport.unregister(self._recv)
+                self._recv = torch.empty(need, dtype=torch.uint8)
+                self.transport.register(self._recv)
+            meta["region"] = {"transport": self.transport.descriptor(), "addr": self._recv.data_ptr(),
+                              "bytes": self._recv.numel()}
+        self.channel.send(MsgType.LOOKUP, meta, [encode_keys(keys)])
         reply = self.channel.expect(MsgType.LOOKUP_REPLY)
         hits = int(reply.meta.get("hits", 0))
         if hits < 0 or hits > len(keys):
@@ -222,6 +241,13 @@ class Peer:
         if not fetch or hits == 0:
             return hits, None
         page_bytes = int(reply.meta["page_bytes"])
+        if reply.meta.get("via") == "engine":
+            if self._recv is None or hits * page_bytes > self._recv.numel():
+                raise ReplicationError(f"{self.addr} wrote {hits} blocks past this node's receive buffer")
+            rows = self._recv[: hits * page_bytes].reshape(hits, page_bytes)
+            if block_digests(rows) != reply.meta.get("digests"):
+                raise ReplicationError(f"blocks {self.addr} wrote through the engine fail their XXH3-128 digests")
+            return hits, rows
         blob = reply.blob
         if blob.nbytes != hits * page_bytes:
             raise ReplicationError(f"{self.addr} sent {blob.nbytes} bytes for {hits} blocks of {page_bytes}")

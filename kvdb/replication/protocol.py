@@ -65,8 +65,8 @@ class MsgType(enum.IntEnum):
     #                  "offset", "digests"}; blob: keys [+ data when inline]
     PUT_ACK = 13  # server -> client: {"blocks", "seq"}: durable on the server
 
-    LOOKUP = 20  # client -> server: {"keys", "fetch"}; blob: keys: longest stored prefix (and its blocks)
-    LOOKUP_REPLY = 21  # server -> client: {"hits", "page_bytes"}; blob: the hit blocks' bytes
+    LOOKUP = 20  # client -> server: {"keys", "fetch", "region"?}; blob: keys: longest stored prefix (+ blocks)
+    LOOKUP_REPLY = 21  # server -> client: {"hits", "page_bytes", "via"?, "digests"?}; blob: blocks when inline
 
     SHIP_HELLO = 30  # leader -> follower: {"leader", "durable_lsn", "page_bytes", "region_bytes"}
     SHIP_POSITION = 31  # follower -> leader: {"applied_lsn", "region"}

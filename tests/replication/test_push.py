@@ -56,6 +56,7 @@ def test_push_stores_exact_bytes_then_lookup_returns_them(server):
         st = p.status()
     assert st["counters"]["blocks_received"] == 14
     assert st["counters"]["blocks_served"] == 6
+    assert st["counters"]["blocks_served_by_engine"] == (6 if server.transport.kind == "mooncake" else 0)
     assert st["db"]["tiers"]["host"]["pages"] == 10
 
 
