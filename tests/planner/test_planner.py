@@ -272,3 +272,38 @@ def test_kvdb_shared_block_is_planned_for_its_earliest_agent():
     # w has nothing left: its private blocks are released; the shared ones follow c's g (46)
     assert [r.debug_plan(f) for f in (0, 1, 2, 4, 6)] == [46.0, 46.0, 46.0, None, None]
     assert [r.evict() for _ in range(5)] == [6, 4, 7, 3, 5]  # released (-inf) first, then last blocks
+
+
+def test_lfu_scenario():
+    # Scenario: 8 frames; frame 0 touched twice, 1-2 once; victims: fewest accesses, then oldest, deeper first
+    r = make_policy("lfu", 8)
+    r.record_access([0, 1], ["a", "b"])
+    r.record_access([0, 2], ["a", "c"])
+    assert [r.evict() for _ in range(3)] == [1, 2, 0]
+
+
+def test_kvflow_scenario_steps_to_execution():
+    # Scenario: session s2 (no workflow) touches 2-3 first; then in session s agent c runs p
+    # (frames 0-1). c's next node g is 3 steps away (a, t, b pending), s2's group has 0 steps:
+    # c's more recent frames go first (steps beat recency), then plain LRU, deeper first.
+    r = make_policy("kvflow", 16)
+    p = Planner([r], clock=lambda: 0.0)
+    ctx, _ = p.call_started("s2")
+    r.record_access([2, 3], ["x0", "x1"], ctx)
+    p.call_finished("s2")
+    p.begin_session("s", workflow=DAG)
+    ctx, _ = p.call_started("s", node_id="p")
+    r.record_access([0, 1], ["c0", "c1"], ctx)
+    p.call_finished("s", node_id="p")
+    assert [r.evict() for _ in range(4)] == [1, 0, 3, 2]
+
+
+def test_tokencake_scenario_offloads_waiting_sessions():
+    # Scenario: a waits 100 s on a tool, b 10 s; c has no wait. Victims: a's private blocks
+    # (furthest return, deepest first), then b's, then LRU; a shared block is never offloaded.
+    r = make_policy("tokencake", 16)
+    r.record_access([0, 1], ["sys", "a1"], AccessContext(now_s=0.0, session_id="a", hints={"expected_tool_duration_s": 100.0}))
+    r.record_access([0, 2], ["sys", "b1"], AccessContext(now_s=0.0, session_id="b", hints={"expected_tool_duration_s": 10.0}))
+    r.record_access([3], ["c1"], AccessContext(now_s=0.0, session_id="c"))
+    assert [r.evict() for _ in range(4)] == [1, 2, 0, 3]
+    assert r.predicted_return("a") == 100.0
