@@ -10,8 +10,9 @@ A Mooncake FAST'25 line is one LLM call::
 ``tenant``, ``block_tokens`` and ``hints``. Workflow lines carry ``session_id`` and ``nodes``.
 
 Every malformed line raises InvalidInput naming ``source:line``; nothing is skipped silently.
-Hints are not judged here: a call keeps its raw hints and the replay validates them through
-kvdb.planner.hints, so a rejected hint is an outcome, not a parse error.
+That includes hints the planner would reject (negative, NaN or non-numeric durations, unknown
+names): in a trace file they are damaged data. Through the engine API (Planner.hint) the same
+values are outcomes, not errors. Hints that would only be clipped are kept as written.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Hashable, Iterable, Iterator
 
 from kvdb.errors import InvalidInput
+from kvdb.planner.hints import REJECTED, check_hint
 from kvdb.planner.workflow import Workflow
 
 DEFAULT_BLOCK_TOKENS = 512
@@ -128,6 +130,10 @@ def parse_line(text: str, line_no: int, call_index: int, source: str = "trace") 
     hints = d.get("hints", {})
     if not isinstance(hints, dict):
         raise InvalidInput(f"{where}: 'hints' must be an object, got {type(hints).__name__}")
+    for name, value in hints.items():
+        o = check_hint(str(name), value)
+        if o.status == REJECTED:
+            raise InvalidInput(f"{where}: hint {name!r} = {value!r} {o.reason}")
     return Call(
         call_index, line_no, now_s, ids, input_tokens, output_tokens, block_tokens,
         _opt_str(d, "session_id", where), _opt_str(d, "agent_id", where),

@@ -43,6 +43,11 @@ def test_mooncake_and_kvdb_lines_parse():
         ('{"type": "workflow", "session_id": "s", "nodes": [{"id": "a", "deps": ["b"]}, {"id": "b", "deps": ["a"]}]}',
          "cycle through node 'a'"),
         ('{"type": "session_end"}', "t:2: a session_end line needs a 'session_id'"),
+        ('{"hash_ids": [1], "hints": {"expected_tool_duration_s": -3}}',
+         "t:2: hint 'expected_tool_duration_s' = -3 is negative"),
+        ('{"hash_ids": [1], "hints": {"ttl_s": NaN}}', "t:2: hint 'ttl_s' = nan is NaN"),
+        ('{"hash_ids": [1], "hints": {"ttl_s": "soon"}}', "t:2: hint 'ttl_s' = 'soon' must be a number"),
+        ('{"hash_ids": [1], "hints": {"colour": 1}}', "t:2: hint 'colour' = 1 unknown hint"),
     ],
 )
 def test_bad_lines_name_the_line(line, needle):
