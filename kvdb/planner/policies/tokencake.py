@@ -53,6 +53,9 @@ class TokencakeReplacer(Replacer):
         ret = now + d
         self._waiting[sid] = (ret, self._epoch)
         heapq.heappush(self._heap, (-ret, self._epoch, sid))
+        if len(self._heap) > 2 * len(self._waiting) + 64:  # drop superseded waits
+            self._heap = [(-r, e, s) for s, (r, e) in self._waiting.items()]
+            heapq.heapify(self._heap)
 
     def on_event(self, event: Any) -> None:
         now = getattr(event, "now_s", None)
