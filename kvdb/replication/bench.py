@@ -52,7 +52,16 @@ def _spawn_peer(tmp: str, name: str, secret_file: str, host_pages: int, disk: bo
            "--model-id", "bench", "--host-bytes", str(host_pages * BENCH_LAYOUT.page_bytes)]
     if not disk:
         cmd += ["--disk-bytes", "0"]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                            preexec_fn=die_with_parent)
+
+
+def die_with_parent() -> None:
+    """In a child before exec: get SIGKILL when the parent dies, so no peer outlives a killed run."""
+    import ctypes
+    import signal
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 def _address(proc: subprocess.Popen) -> str:

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from kvdb.buffer_pool.layout import BlockLayout
+from kvdb.replication.bench import die_with_parent
 from kvdb.replication.netns import netns_unavailable, private_netns
 from kvdb.replication.transport import mooncake_import_error
 
@@ -98,7 +99,8 @@ class NodeProc:
             cmd += ["--disk-bytes", str(self.disk_bytes)]
         for r in self.replicas:
             cmd += ["--replica", r]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                                     preexec_fn=die_with_parent)
 
     def wait_ready(self) -> "NodeProc":
         line = self.proc.stdout.readline()
