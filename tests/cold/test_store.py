@@ -291,3 +291,24 @@ def test_encrypted_store_reopens_after_a_crash_before_any_checkpoint(tmp_path):
     with open_store(tmp_path / "db", encryption_key_file=str(kf)) as s:
         found, out = read(s, [key(1)])
         assert found == [True] and (out == pages_for([key(1)])).all()
+
+
+def test_background_flusher_makes_none_writes_durable_and_checkpoints(tmp_path):
+    # Scenario: flusher every 10 ms, checkpoint after 1 KiB of log; 10 "none" puts of 181 bytes.
+    import time
+
+    keys = [key(i) for i in range(10)]
+    s = ColdStore.open(tmp_path, TINY, flush_interval_s=0.01, checkpoint_bytes=1024)
+    try:
+        s.put(keys, pages_for(keys), None, "none")
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and (s.stats()["durable_lsn"] < 10 or s.stats()["checkpoint_lsn"] < 10):
+            time.sleep(0.01)
+        st = s.stats()
+        assert st["durable_lsn"] >= 10 and st["checkpoint_lsn"] >= 10
+    finally:
+        s.debug_crash_close()
+    with open_store(tmp_path) as s:
+        assert s.stats()["recovery"]["records_replayed"] <= 1  # at most the checkpoint record itself
+        found, out = read(s, keys)
+        assert all(found) and (out == pages_for(keys)).all()
