@@ -44,6 +44,7 @@ def main() -> None:
     traces["agents, sigma=1 noise"] = agent_trace(hint_noise_sigma=1.0)
     traces["agents, no hints"] = agent_trace(hints=False)
     traces["agents, hints, no workflow"] = agent_trace(workflows=False)
+    traces["agents, sigma=1 noise, no workflow"] = agent_trace(workflows=False, hint_noise_sigma=1.0)
     traces["agents, no hints, no workflow"] = agent_trace(workflows=False, hints=False)
     rows = []
     for name, t in traces.items():

@@ -307,3 +307,19 @@ def test_tokencake_scenario_offloads_waiting_sessions():
     r.record_access([3], ["c1"], AccessContext(now_s=0.0, session_id="c"))
     assert [r.evict() for _ in range(4)] == [1, 2, 0, 3]
     assert r.predicted_return("a") == 100.0
+
+
+def test_kvdb_infers_fan_in_without_a_workflow():
+    # Scenario: no workflow. Coordinator c calls (no hint), then workers w1, w2 call with tool
+    # waits of 30 s and 50 s: c is taken to wait for them, so its private blocks are planned
+    # for the last return + one LLM call (50 + 2 = 52 s); each worker's for its own return.
+    r = make_policy("kvdb", 16)
+    p = Planner([r], clock=lambda: 0.0)
+    ctx, _ = p.call_started("s", agent_id="c", now_s=0.0)
+    r.record_access([0, 1, 2], ["c0", "c1", "cleaf"], ctx)
+    assert r.debug_plan(0) is None  # nothing known yet
+    ctx, _ = p.call_started("s", agent_id="w1", hints={"expected_tool_duration_s": 30.0}, now_s=0.0)
+    r.record_access([3, 4], ["a0", "aleaf"], ctx)
+    ctx, _ = p.call_started("s", agent_id="w2", hints={"expected_tool_duration_s": 50.0}, now_s=0.0)
+    r.record_access([5, 6], ["b0", "bleaf"], ctx)
+    assert [r.debug_plan(f) for f in range(7)] == [52.0, 52.0, None, 30.0, None, 50.0, None]

@@ -12,7 +12,9 @@ Each resident block is in one of two classes:
     shared prompt is needed by whoever runs first); when no interested agent has anything
     left to run, a private block is released (H = -inf).
   - Sessions without one: hint ``expected_tool_duration_s`` d plans the call's private
-    blocks for now + d; ``ttl_s`` keeps them until now + ttl.
+    blocks for now + d; ``ttl_s`` keeps them until now + ttl. An agent calling without a
+    hint while siblings of its session wait on tools is taken to wait for them (fan-in):
+    its private blocks are planned for the last sibling's return + one LLM call.
   A plan has a deadline, t_next + 3 (t_next - now) + 2 s (slack for noisy hints: σ = 1 in
   log space is a factor e either way); past it the block becomes unplanned.
 * **unplanned**: GreedyDual over a learned value. Key H = L + v with
@@ -97,6 +99,8 @@ class PlannedReplacer(Replacer):
         self._agent_chain: dict[tuple, list[tuple[int, int]]] = {}  # agent -> (frame, inc) of its last call
         self._agent_plan: dict[tuple, float] = {}  # (session, agent) -> t_next it was planned for
         self._tool_s = TOOL_DEFAULT_S
+        self._sess_wait: dict[str, float] = {}  # no-workflow session -> when its last tool wait ends
+        self._fan_in: dict[str, dict[tuple, list]] = {}  # session -> agents waiting on siblings
         if not llm_call_s >= 0:
             raise InvalidInput(f"llm_call_s must be a number >= 0, got {llm_call_s!r}")
         self._llm_s = float(llm_call_s)
@@ -284,6 +288,37 @@ class PlannedReplacer(Replacer):
                     self._planned[f] = 0
                     self._pver[f] += 1
                 self._push_gd(f)
+        if sid is not None and wf_agent is None:
+            self._infer_fan_in(sid, frames, hints.get("expected_tool_duration_s"), now)
+
+    def _infer_fan_in(self, sid: str, frames, d: float | None, now: float) -> None:
+        """Sessions without a workflow: an agent whose call carries no tool-wait hint while
+        siblings of its session wait on tools is taken to wait for them (fan-in, as a
+        coordinator does): its private blocks are planned for the last sibling's return + one
+        LLM call. Hinted calls extend the session's wait and re-plan those waiting agents."""
+        key = self._current if self._current[0] == sid else (sid, None)
+        waiting = self._fan_in.setdefault(sid, {})
+        inc = self._inc
+        if d is not None:
+            waiting.pop(key, None)
+            until = self._sess_wait.get(sid, 0.0)
+            self._sess_wait[sid] = max(until if until > now else 0.0, now + d)
+            t = self._sess_wait[sid] + self._llm_s
+            for k, chain in waiting.items():
+                self._plan_links(chain, t, now)
+            return
+        links = [(f, inc[f]) for f in frames]
+        waiting[key] = links
+        until = self._sess_wait.get(sid, 0.0)
+        if until > now:
+            self._plan_links(links, until + self._llm_s, now)
+
+    def _plan_links(self, links, t: float, now: float) -> None:
+        inc, state, leaf, shared = self._inc, self._state, self._leaf, self._shared
+        deadline = t + PLAN_SLACK_FACTOR * (t - now) + PLAN_SLACK_S
+        for f, i in links:
+            if inc[f] == i and state[f] != ABSENT and not leaf[f] and not shared[f] and self._interest[f] is None:
+                self._set_plan(f, t, deadline, replace=True)
 
     def on_event(self, event: Any) -> None:
         if isinstance(event, CallStarted):
@@ -323,6 +358,8 @@ class PlannedReplacer(Replacer):
                 self._now = event.now_s
             self._returns.pop(event.session_id, None)
             self._workflows.pop(event.session_id, None)
+            self._sess_wait.pop(event.session_id, None)
+            self._fan_in.pop(event.session_id, None)
             for key in [k for k in self._agent_chain if k[0] == event.session_id]:
                 for f, i in self._agent_chain.pop(key):
                     if self._inc[f] == i and self._interest[f] is not None:
