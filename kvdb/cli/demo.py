@@ -61,10 +61,12 @@ def bench_ttft_cmd(prompt_tokens: int, stored_fraction: float, block_tokens: int
 @click.option("--chart", "chart_path", type=click.Path(dir_okay=False), default=None,
               help="PNG chart path (default: DATA_DIR/ttft.png)")
 @click.option("--output-tokens", default=16, show_default=True, help="tokens each call decodes")
+@click.option("--threads", type=int, default=1, show_default=True,
+              help="torch intra-op threads (0: torch's choice); one keeps timings stable on busy machines")
 @click.option("--seed", default=0, show_default=True)
 @json_option
-def demo_cmd(data_dir: str, rounds: int, workers: int, chart_path: str | None, output_tokens: int, seed: int,
-             as_json: bool) -> None:
+def demo_cmd(data_dir: str, rounds: int, workers: int, chart_path: str | None, output_tokens: int, threads: int,
+             seed: int, as_json: bool) -> None:
     """Run a multi-agent workflow on a small random-weight model with kvdb managing its KV tiers.
 
     Planner -> parallel workers -> reviewer, several rounds with tool waits, under tight
@@ -74,10 +76,10 @@ def demo_cmd(data_dir: str, rounds: int, workers: int, chart_path: str | None, o
     _need_transformers()
     from kvdb.demo.agents import DemoConfig, render, run_demo
 
-    if rounds < 1 or workers < 1 or output_tokens < 1:
-        raise click.UsageError("--rounds, --workers and --output-tokens must be >= 1")
+    if rounds < 1 or workers < 1 or output_tokens < 1 or threads < 0:
+        raise click.UsageError("--rounds, --workers and --output-tokens must be >= 1, --threads >= 0")
     cfg = DemoConfig(data_dir=data_dir, rounds=rounds, workers=workers, chart_path=chart_path,
-                     output_tokens=output_tokens, seed=seed)
+                     output_tokens=output_tokens, seed=seed, threads=threads or None)
     live = not as_json and sys.stderr.isatty()
     res = run_demo(cfg, log=(lambda msg: click.echo(msg, err=True)) if not as_json else None, live=live)
     emit(res, as_json, render)

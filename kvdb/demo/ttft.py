@@ -48,7 +48,14 @@ def _disk_available() -> bool:
     return True
 
 
-def bench_ttft(
+def bench_ttft(*args, **kwargs) -> dict:
+    """See the module doc. Runs under no_grad (not inference_mode: the Db's arenas are created in
+    here, and inference tensors refuse in-place updates from the Db's background thread)."""
+    with torch.no_grad():
+        return _bench_ttft(*args, **kwargs)
+
+
+def _bench_ttft(
     prompt_tokens_n: int = 8192,
     stored_fraction: float = 7 / 8,
     block_tokens: int = 16,
@@ -62,7 +69,6 @@ def bench_ttft(
         raise InvalidInput(f"stored_fraction must be in (0, 1), got {stored_fraction}")
     if prompt_tokens_n < 2 * block_tokens:
         raise InvalidInput(f"prompt_tokens must be at least {2 * block_tokens}")
-    torch.set_grad_enabled(False)
     model = tiny_llama(max_tokens=prompt_tokens_n)
     layout = layout_for(model.config, block_tokens=block_tokens)
     ids = prompt_tokens(prompt_tokens_n, seed=42)

@@ -41,7 +41,7 @@ def save_to_disk(path, model, ids) -> torch.Tensor:
         return blocks_from_cache(cache, 0, n, BT, torch.empty((n, *lay.block_shape))).clone()
 
 
-@torch.inference_mode()
+@torch.no_grad()
 def test_disk_restore_matches_recompute_and_greedy_decode(llama, tmp_path):
     # Scenario: a 200-token prompt (12 blocks) is saved to disk; the Db is reopened with an
     # empty host tier; a 260-token continuation restores 192 tokens from disk.
@@ -88,7 +88,7 @@ def _corrupt_block(path: Path, block: torch.Tensor) -> None:
 
 
 @pytest.mark.parametrize("bad", [0, 4, 9])
-@torch.inference_mode()
+@torch.no_grad()
 def test_corrupted_disk_block_is_never_used(llama, tmp_path, bad):
     # Scenario (I2): 10 blocks on disk, one byte of block `bad`'s payload flipped in the log
     # file. The lookup restores exactly the blocks before it -- fewer cached tokens, never the
@@ -110,7 +110,7 @@ def test_corrupted_disk_block_is_never_used(llama, tmp_path, bad):
         assert pc.lookup(ids)[1] == n
 
 
-@torch.inference_mode()
+@torch.no_grad()
 def test_prefix_larger_than_memory_restores_through_staging(llama, tmp_path):
     # Scenario: 10 blocks on disk, a host tier of 4 pages and no device tier: the prefix cannot
     # be pinned at once (CapacityError inside the Db), so the lookup reads it with get_blocks

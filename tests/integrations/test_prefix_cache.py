@@ -53,14 +53,15 @@ def reference(model, input_ids, n_cached, steps=32):
     return greedy(model, input_ids, cache, n_cached, steps)
 
 
-@torch.inference_mode()
+@torch.no_grad()
 def test_host_restore_matches_recompute_and_greedy_decode(llama, tmp_path):
     # Scenario: an agent's first call (200 tokens) is saved: 12 full blocks. Its next call
     # extends the prompt to 260 tokens: the lookup restores 12 blocks (192 tokens) from the
     # host tier, the model prefills 68 tokens, and everything matches the no-kvdb run.
+    # (the Db is opened outside inference mode, the engine's calls run inside it, as engines do)
     first = tokens(200, 1)
     second = torch.cat([first, tokens(60, 2)], dim=1)
-    with open_db(tmp_path / "db", llama) as db:
+    with open_db(tmp_path / "db", llama) as db, torch.inference_mode():
         pc = PrefixCache(db, llama)
         cache, n = pc.lookup(first)
         assert n == 0 and cache.get_seq_length() == 0
@@ -84,7 +85,7 @@ def test_host_restore_matches_recompute_and_greedy_decode(llama, tmp_path):
         assert pc.stats.staged_lookups == 0 and pc.stats.refused_blocks == 0  # the pinned path
 
 
-@torch.inference_mode()
+@torch.no_grad()
 def test_lookup_leaves_at_least_one_token(llama, tmp_path):
     # Scenario (I1): 64 tokens = 4 full blocks, all stored. A lookup of exactly those 64
     # tokens restores 3 blocks (48 tokens) so that the model still has 16 tokens to prefill;
@@ -101,7 +102,7 @@ def test_lookup_leaves_at_least_one_token(llama, tmp_path):
         assert pc.lookup(ids[:, :1])[1] == 0
 
 
-@torch.inference_mode()
+@torch.no_grad()
 def test_save_stores_only_new_full_blocks(llama, tmp_path):
     ids = tokens(230, 4)
     with open_db(tmp_path / "db", llama) as db:
@@ -120,7 +121,7 @@ def test_save_stores_only_new_full_blocks(llama, tmp_path):
         assert pc.save(other, short) == 2
 
 
-@torch.inference_mode()
+@torch.no_grad()
 def test_tenants_do_not_share_prefixes(llama, tmp_path):
     ids = tokens(100, 6)
     with open_db(tmp_path / "db", llama) as db:
@@ -187,7 +188,7 @@ class VanishingDb:
         return self._db.pin(keys)
 
 
-@torch.inference_mode()
+@torch.no_grad()
 def test_unreadable_block_ends_the_prefix(llama, tmp_path):
     # Scenario (I2): 10 blocks stored; block 6 becomes unreadable after the index matched it.
     # The lookup restores blocks 0..5 only (96 tokens) and the logits are the recompute ones.
@@ -206,7 +207,7 @@ def test_unreadable_block_ends_the_prefix(llama, tmp_path):
         assert db.stats()["tiers"]["host"]["pinned_pages"] == 0  # every pin was released
 
 
-@torch.inference_mode()
+@torch.no_grad()
 def test_scattered_frames_restore_exactly(llama, tmp_path):
     # Scenario (I4): the chain's blocks were saved in three calls interleaved with another
     # prompt's, so its frames are not consecutive in the arena (no single view over them):
@@ -229,7 +230,7 @@ def test_scattered_frames_restore_exactly(llama, tmp_path):
         assert db.stats()["tiers"]["host"]["pinned_pages"] == 0
 
 
-@torch.inference_mode()
+@torch.no_grad()
 def test_save_after_a_hole_counts_only_new_blocks(llama, tmp_path):
     # Scenario: 8 blocks stored, then block 3 deleted: save stores block 3 only (blocks 4..7
     # are still there) and the whole prefix is restorable again.
