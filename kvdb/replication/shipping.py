@@ -31,6 +31,8 @@ Invariants:
       never holds a record the leader could lose in a crash.
   S4. Replication slots: the leader persists each follower's confirmed lsn (``slots.json``) and
       ``retained_lsn(state_dir)`` is the lowest one: compaction must keep every record above it.
+  S5. Lsns are only compared within one log: the leader's ``log_id`` travels in SHIP_HELLO and is
+      stored with the follower's position; a follower of another log is never streamed to.
 """
 
 from __future__ import annotations
@@ -72,6 +74,7 @@ log = logging.getLogger("kvdb.replication")
 DEFAULT_BATCH_BYTES = 32 << 20
 APPLIED_NAME = "applied_lsn"
 SLOTS_NAME = "slots.json"
+LOG_ID_NAME = "log_id"
 
 
 # ---------------------------------------------------------------- state files
@@ -92,6 +95,20 @@ def _write_atomic(path: Path, data: bytes) -> None:
         os.fsync(dfd)
     finally:
         os.close(dfd)
+
+
+def _log_id(state_dir) -> str | None:
+    """This leader's log identity (``PATH/replication/log_id``, created once): followers record
+    it with their position so lsns of two different logs are never mixed up."""
+    if state_dir is None:
+        return None
+    p = Path(state_dir) / LOG_ID_NAME
+    try:
+        return p.read_text().strip()
+    except FileNotFoundError:
+        log_id = os.urandom(8).hex()
+        _write_atomic(p, log_id.encode())
+        return log_id
 
 
 def read_slots(state_dir) -> dict[str, int]:
@@ -260,7 +277,7 @@ class SegmentLogSource:
 
 
 class _Follower:
-    __slots__ = ("addr", "state", "confirmed_lsn", "sent_lsn", "error", "thread", "connects")
+    __slots__ = ("addr", "state", "confirmed_lsn", "sent_lsn", "error", "thread", "connects", "channel")
 
     def __init__(self, addr: str, confirmed: int) -> None:
         self.addr = addr
@@ -270,6 +287,7 @@ class _Follower:
         self.error: str | None = None
         self.thread: threading.Thread | None = None
         self.connects = 0
+        self.channel: Channel | None = None  # the open stream, closed by stop() to unblock it
 
 
 class LogShipper:
@@ -288,6 +306,7 @@ class LogShipper:
         self._cond = threading.Condition()  # guards every _Follower field and _stopping
         self._stopping = False
         slots = read_slots(self.state_dir) if self.state_dir is not None else {}
+        self.log_id = _log_id(self.state_dir)
         self.followers = [_Follower(a, slots.get(a, 0)) for a in replicas]
         self._slots_lock = threading.Lock()  # one writer of slots.json at a time; guards _slots_saved_at
         self._slots_saved_at = 0.0
@@ -304,6 +323,9 @@ class LogShipper:
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
+            chans = [f.channel for f in self.followers if f.channel is not None]
+        for ch in chans:  # a stream blocked on a silent follower wakes up
+            ch.close()
         for f in self.followers:
             if f.thread is not None:
                 f.thread.join(10)
@@ -384,18 +406,23 @@ class LogShipper:
     def _stream(self, f: _Follower) -> None:
         self._set(f, state="connecting")
         ch = connect(f.addr, self.secret, node=self.node, timeout_s=30)
+        self._set(f, channel=ch)
         try:
             transport = (self._transport_arg if isinstance(self._transport_arg, Transport)
                          else get_transport(self._transport_arg, local_host=ch.sock.getsockname()[0]))
             engine = transport.can_write_to(ch.peer_meta.get("transport"))
             ch.send(MsgType.SHIP_HELLO, {"leader": self.node, "durable_lsn": self.source.durable_lsn(),
-                                         "page_bytes": self.page_bytes,
+                                         "page_bytes": self.page_bytes, "log_id": self.log_id,
                                          "region_bytes": 2 * self.batch_bytes if engine else 0})
             pos = ch.expect(MsgType.SHIP_POSITION).meta
             applied = int(pos.get("applied_lsn", 0))
             region = pos.get("region") if engine else None
             if engine and not region:
                 engine = False
+            theirs = pos.get("log_id")
+            if applied and self.log_id and theirs not in (None, "-", self.log_id):
+                raise _Reseed(f"follower {f.addr} has applied lsn {applied} of another leader log ({theirs}, this "
+                              f"one is {self.log_id}); re-seed it from a copy of this leader")
             first, last = self.source.first_lsn(), self.source.durable_lsn()
             if applied > last:
                 raise _Reseed(f"follower {f.addr} has applied lsn {applied} but this leader's log ends at {last}: "
@@ -412,6 +439,7 @@ class LogShipper:
             finally:
                 bufs.release()
         finally:
+            self._set(f, channel=None)
             ch.close()
 
     def _pump(self, f: _Follower, ch: Channel, transport: Transport, region: dict | None, bufs) -> None:
@@ -523,6 +551,7 @@ class LogSink:
         self.state_dir = Path(state_dir)
         self.durable = durable  # False: a memory-only follower; its position is not persisted
         self._lock = threading.Lock()  # one stream applies at a time; guards the counters
+        self.log_id: str | None = None  # the leader log this follower's lsns belong to
         self._applied = self._load_applied() if durable else 0
         self.counters = {"records": 0, "puts": 0, "deletes": 0, "duplicates": 0, "skipped": 0, "batches": 0}
         self.leader: str | None = None
@@ -534,10 +563,14 @@ class LogSink:
         return cls(db, Path(db.path) / "replication", durable=durable)
 
     def _load_applied(self) -> int:
+        """Read ``applied_lsn``: ``<lsn> <leader log id>`` (the id names the log the lsns count)."""
         try:
-            return int((self.state_dir / APPLIED_NAME).read_text().strip() or 0)
+            parts = (self.state_dir / APPLIED_NAME).read_text().split()
         except FileNotFoundError:
             return 0
+        try:
+            self.log_id = parts[1] if len(parts) > 1 else None
+            return int(parts[0]) if parts else 0
         except ValueError:
             raise CorruptionError(f"{self.state_dir / APPLIED_NAME} is damaged; delete it to re-apply the log") from None
 
@@ -545,7 +578,8 @@ class LogSink:
         return self._applied
 
     def status(self) -> dict:
-        return {"applied_lsn": self._applied, "leader": self.leader, "durable": self.durable, **self.counters}
+        return {"applied_lsn": self._applied, "leader": self.leader, "log_id": self.log_id,
+                "durable": self.durable, **self.counters}
 
     def apply(self, buf, first_lsn: int, last_lsn: int) -> int:
         """Apply the consecutive records in ``buf`` (S2); returns the new applied lsn (S1)."""
@@ -573,7 +607,7 @@ class LogSink:
             if self.durable and todo:
                 if deleted:
                     self.db.flush()
-                _write_atomic(self.state_dir / APPLIED_NAME, str(last_lsn).encode())
+                _write_atomic(self.state_dir / APPLIED_NAME, f"{last_lsn} {self.log_id or '-'}".encode())
             self._applied = max(self._applied, last_lsn)
             return self._applied
 
@@ -632,7 +666,14 @@ class LogSink:
         / ``release_region(r)`` lend landing memory (the node's pool)."""
         self.leader = str(hello.meta.get("leader") or ch.peer_node)
         want = int(hello.meta.get("region_bytes") or 0)
-        reply = {"applied_lsn": self._applied}
+        leader_log = hello.meta.get("log_id")
+        with self._lock:
+            if self._applied == 0 and leader_log:
+                self.log_id = str(leader_log)  # a fresh follower adopts the first leader's log
+            reply = {"applied_lsn": self._applied, "log_id": self.log_id}
+        if self._applied and leader_log and self.log_id not in (None, "-", leader_log):
+            ch.send(MsgType.SHIP_POSITION, reply)  # the leader sees the mismatch and stops (re-seed)
+            return
         region = open_region(want) if want > 0 else None
         try:
             if region is not None and region.tensor is not None:

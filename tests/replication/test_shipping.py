@@ -109,6 +109,15 @@ def test_leader_restart_resumes_from_the_follower_position(netns, tmp_path, secr
     assert _holds(f.address, k1 + k2, torch.cat([b1, b2]))
     st = _follower_status(f.address)
     assert st["applied_lsn"] == lsn2 and st["duplicates"] == 0 and st["batches"] >= 2
+    # a different leader (a fresh data directory, longer log) must not feed this follower:
+    # its lsns count another history, so it is marked for re-seeding and nothing is applied
+    with _leader(tmp_path / "other") as db:
+        db.put_blocks(make_keys(9, tag=32), make_blocks(9, seed=32), durability="sync")
+        rep = Replicator(db, replicas=[f.address], secret=SECRET, transport="tcp")
+        st = _wait_for_error(rep, "another leader log")
+        rep.close()
+    assert st["state"] == "needs_reseed"
+    assert _follower_status(f.address)["applied_lsn"] == lsn2 and _count(f.address, make_keys(9, tag=32)) == 0
 
 
 def test_wrong_secret_and_damaged_record_are_reported(netns, tmp_path, secret_file, nodes):
