@@ -249,8 +249,12 @@ class Db:
             name = replacer
             if name in REPLAY_ONLY:
                 raise InvalidInput(f"policy {name!r} needs the future and runs only in replay (kvdb sim)")
-            make_policy(name, 1)  # validates the name now
-            factory = lambda n: make_policy(name, n)  # noqa: E731
+            # the engine reports call_finished when a call really ends, so the planned policy
+            # adds no assumed call duration of its own (the simulator, which sees only
+            # arrivals, uses the default)
+            opts = {"llm_call_s": 0.0} if name == "kvdb" else {}
+            make_policy(name, 1, **opts)  # validates the name now
+            factory = lambda n: make_policy(name, n, **opts)  # noqa: E731
         self.pool = BufferPool(layout, host_frames=host_frames, device_frames=device_frames, device=dev,
                                make_replacer=factory, spill=self._spill)
         # the planner sees sessions, workflows and hints and informs every tier's replacer
@@ -567,7 +571,7 @@ class Db:
         self._promote_from_disk(loaded, buf[ok] if len(ok) != len(keys) else buf)
         return loaded, [keys[i] for i, f in enumerate(found) if not f]
 
-    def get_blocks(self, keys, out: torch.Tensor) -> None:
+    def get_blocks(self, keys, out: torch.Tensor, *, ctx: AccessContext | None = None) -> None:
         """Copy the blocks of ``keys`` into ``out[:len(keys)]`` bit-exact; NotFound names absent keys.
 
         ``out``: a preallocated tensor [>= len(keys), *layout.block_shape] of the layout dtype
@@ -604,12 +608,12 @@ class Db:
                 staged = torch.from_numpy(buf)
                 rows_t = torch.as_tensor(absent_rows, dtype=torch.long, device=dst.device)
                 dst.index_copy_(0, rows_t, staged.to(dst.device, non_blocking=False))
-                self.pool.touch([k for k, c in zip(keys, codes) if c is not None])
+                self.pool.touch([k for k, c in zip(keys, codes) if c is not None], ctx)
                 self._promote_from_disk(absent, buf)
             else:
-                self.pool.touch(keys)
+                self.pool.touch(keys, ctx)
 
-    def pin(self, keys) -> PinnedPages:
+    def pin(self, keys, *, ctx: AccessContext | None = None) -> PinnedPages:
         """Pin keys' pages in memory and return zero-copy views (a context manager).
 
         Keys on disk are loaded into the host tier first; CapacityError when they cannot all be
@@ -640,7 +644,7 @@ class Db:
             ordered = [handles[i] for i in range(len(keys))]
             lay = self.layout
             pages = [t.arena.page(f).view(lay.dtype).view(lay.block_shape) for t, f in ordered]
-            self.pool.touch(keys)
+            self.pool.touch(keys, ctx)
         return PinnedPages(self, ordered, pages)
 
     def _unpin(self, handles) -> None:
