@@ -8,6 +8,8 @@ import struct
 import threading
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvdb.errors import AuthError, ReplicationError
 from kvdb.replication import protocol
@@ -146,3 +148,42 @@ def test_parse_addr():
     for bad in ("nohost", ":80", "h:", "h:99999", "h:x"):
         with pytest.raises(ValueError, match="HOST:PORT"):
             parse_addr(bad)
+
+
+def _frame_bytes(meta: dict, blob: bytes) -> bytes:
+    a, b = socket.socketpair()
+    Channel(a, "w").send(MsgType.PING, meta, [blob])
+    a.close()
+    out = b""
+    while chunk := b.recv(1 << 16):
+        out += chunk
+    b.close()
+    return out
+
+
+def _receive(raw: bytes):
+    a, b = socket.socketpair()
+    a.sendall(raw)
+    a.close()  # a length that grew runs into EOF, not into a hang
+    return Channel(b, "r").recv()
+
+
+_metas = st.dictionaries(st.text(max_size=8), st.one_of(st.integers(-2**63, 2**63 - 1), st.text(max_size=16),
+                                                         st.booleans(), st.none()), max_size=4)
+
+
+@given(meta=_metas, blob=st.binary(max_size=300))
+def test_frames_round_trip(meta, blob):
+    m = _receive(_frame_bytes(meta, blob))
+    assert (m.type, m.meta, bytes(m.blob), m.seq) == (MsgType.PING, meta, blob, 0)
+
+
+@given(meta=_metas, blob=st.binary(max_size=300), data=st.data())
+def test_any_damaged_byte_is_refused_never_misread(meta, blob, data):
+    # I1/I3: whichever byte of a frame changes (header, meta, blob or tag), the receiver raises
+    # ReplicationError; it never hands back a message.
+    raw = bytearray(_frame_bytes(meta, blob))
+    i = data.draw(st.integers(0, len(raw) - 1), label="byte")
+    raw[i] ^= data.draw(st.integers(1, 255), label="xor")
+    with pytest.raises(ReplicationError):
+        _receive(bytes(raw))
