@@ -99,6 +99,7 @@ class Peer:
         self.peer_layout = self.channel.peer_meta.get("layout")
         self.chunk_bytes = int(chunk_bytes)
         self._region: dict | None = None  # the peer's landing region for this connection
+        self._region_asked = 0  # bytes asked for it
         self._recv: torch.Tensor | None = None  # registered buffer the peer writes lookups into
 
     @property
@@ -120,10 +121,12 @@ class Peer:
     # ------------------------------------------------------------------ push
 
     def _landing_region(self, nbytes: int) -> dict:
-        if self._region is None or self._region["bytes"] < nbytes:
+        """The peer's landing region for this connection, re-asked only for more than before
+        (the peer may grant less than asked: its cap; the push then uses smaller chunks)."""
+        if self._region is None or self._region_asked < nbytes:
             self.channel.send(MsgType.OPEN_REGION, {"bytes": nbytes})
             reply = self.channel.expect(MsgType.REGION)
-            self._region = reply.meta
+            self._region, self._region_asked = reply.meta, nbytes
         return self._region
 
     def push(self, keys, pages, *, durability: str = "sync") -> PushResult:
