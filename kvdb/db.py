@@ -411,42 +411,51 @@ class Db:
         with self._lock:
             self._check()
             seen: set[bytes] = set()
-            fresh: list[int] = []
+            fresh: list[int] = []  # not in memory
+            persist: list[int] = []  # in memory but not yet on disk, and the caller asks for durability
             for i, k in enumerate(keys):
-                if k not in seen and k not in self.pool.table:
-                    seen.add(k)
+                if k in seen:
+                    continue
+                seen.add(k)
+                code = self.pool.table.get(k)
+                if code is None:
                     fresh.append(i)
+                elif durability != "none" and self.pool.tiers[code & 1].dirty[code >> 1]:
+                    persist.append(i)
+        on_disk = [False] * len(fresh)
         if self._cold is not None and fresh:
             on_disk = self._cold_call(self._cold.contains, [keys[i] for i in fresh])
-            fresh = [i for i, d in zip(fresh, on_disk) if not d]
-        if not fresh:
-            return 0
-        fkeys = [keys[i] for i in fresh]
-        fpos = [pos[i] for i in fresh]
-        contiguous = fresh == list(range(fresh[0], fresh[0] + len(fresh)))
-        fpages = pages[fresh[0] : fresh[0] + len(fresh)] if contiguous else pages[torch.as_tensor(fresh, device=pages.device)]
+        # keys on disk are skipped like resident ones: the stored bytes stay the only copy (the
+        # caller's bytes could differ, and memory and disk must never disagree about a key)
+        new = [i for i, d in zip(fresh, on_disk) if not d]
         written = False
-        if durability != "none" or tier == "disk":
-            host_pages = fpages.cpu().numpy() if fpages.device.type != "cpu" else fpages.numpy()
-            self._cold_call(self._cold.put, fkeys, np.ascontiguousarray(host_pages), fpos,
-                            durability if durability != "none" else "none")
+        if (durability != "none" or tier == "disk") and (new or persist):
+            rows = new + persist
+            self._cold_call(self._cold.put, [keys[i] for i in rows], np.ascontiguousarray(self._select(pages, rows).cpu().numpy()),
+                            [pos[i] for i in rows], durability)
             written = True
         if tier == "disk":
-            return len(fkeys)
+            return len(new)
         with self._lock:
             self._check()
-            keep = [j for j, k in enumerate(fkeys) if k not in self.pool.table]
-            if len(keep) != len(fkeys):
-                fkeys = [fkeys[j] for j in keep]
-                fpos = [fpos[j] for j in keep]
-                fpages = fpages[torch.as_tensor(keep, device=fpages.device)] if keep else fpages[:0]
-            if fkeys:
-                dirty = self._cold is not None and not written
-                if ctx is None:
-                    ctx = AccessContext(positions=fpos)
-                self.pool.insert(fkeys, fpages, fpos, dirty=dirty, ctx=ctx)
+            for i in persist:  # now on disk: clean wherever the page lives
+                code = self.pool.table.get(keys[i])
+                if code is not None:
+                    self.pool.tiers[code & 1].dirty[code >> 1] = 0
+            rows = [i for i in new if keys[i] not in self.pool.table]  # another writer may have won
+            if rows:
+                rkeys, rpos = [keys[i] for i in rows], [pos[i] for i in rows]
+                self.pool.insert(rkeys, self._select(pages, rows), rpos, dirty=self._cold is not None and not written,
+                                 ctx=ctx or AccessContext(positions=rpos))
                 self._maybe_make_room()
-        return len(fkeys)
+        return len(new)
+
+    @staticmethod
+    def _select(pages: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """pages[rows] without a copy when the rows are one consecutive run."""
+        if rows == list(range(rows[0], rows[0] + len(rows))):
+            return pages[rows[0] : rows[0] + len(rows)]
+        return pages[torch.as_tensor(rows, device=pages.device)]
 
     def _spill(self, keys: list, pages: torch.Tensor, positions: list, dirty: list) -> None:
         """Pages leaving memory (called by the pool under our lock): write back the dirty ones."""
@@ -506,8 +515,11 @@ class Db:
 
     # ------------------------------------------------------------------ reads
 
-    def match_prefix(self, keys, *, ctx: AccessContext | None = None) -> int:
-        """How many leading keys are stored in any tier (the lookup; counts hits and misses)."""
+    def match_prefix(self, keys, *, ctx: AccessContext | None = None, peek: bool = False) -> int:
+        """How many leading keys are stored in any tier (the lookup; counts hits and misses).
+
+        ``peek=True`` only checks: no stats, and the replacer is not told (use it to ask "is
+        this stored?" without making it look recently used)."""
         self._check()
         keys = normalize_keys(keys)
         with self._lock:
@@ -528,8 +540,9 @@ class Db:
                 else:
                     break
                 total += 1
-            self._count_lookup(mem_hits, disk_hits, total < len(keys))
-            self.pool.touch(keys[:total], ctx)
+            if not peek:
+                self._count_lookup(mem_hits, disk_hits, total < len(keys))
+                self.pool.touch(keys[:total], ctx)
         return total
 
     def _count_lookup(self, mem_hits: list[int], disk_hits: int, missed: bool) -> None:
@@ -544,7 +557,8 @@ class Db:
             self._lookup_misses += 1
 
     def contains(self, key) -> bool:
-        return self.match_prefix([key]) == 1 if key is not None else False
+        """Whether one key is stored in any tier (a peek: no stats, no recency)."""
+        return self.match_prefix([key], peek=True) == 1
 
     def _read_disk(self, keys: list[bytes]) -> tuple[np.ndarray, list[bool]]:
         """Read keys from the disk tier into a staging buffer; found[i] False = absent or corrupt."""
@@ -578,6 +592,14 @@ class Db:
         on the CPU or the device tier's device. Nothing is written when a key is missing.
         Blocks read from disk go straight into ``out`` and are then promoted to the host tier.
         """
+        self._read_into(keys, out, ctx, prefix=False)
+
+    def get_prefix(self, keys, out: torch.Tensor, *, ctx: AccessContext | None = None) -> int:
+        """Copy the longest leading run of readable blocks of ``keys`` into ``out``; return its
+        length. A block that is absent or fails its checksum ends the run (never wrong bytes)."""
+        return self._read_into(keys, out, ctx, prefix=True)
+
+    def _read_into(self, keys, out: torch.Tensor, ctx: AccessContext | None, prefix: bool) -> int:
         self._check()
         keys = normalize_keys(keys)
         n = len(keys)
@@ -586,14 +608,22 @@ class Db:
             self._check()
             table = self.pool.table
             codes = [table.get(k) for k in keys]
+            if prefix and self._cold is None:  # the run ends at the first key not in memory
+                n = next((i for i, c in enumerate(codes) if c is None), n)
+                keys, codes = keys[:n], codes[:n]
             absent_rows = [i for i, c in enumerate(codes) if c is None]
+            buf = None
             if absent_rows:
-                absent = [keys[i] for i in absent_rows]
-                buf, found = self._read_disk(absent)
+                buf, found = self._read_disk([keys[i] for i in absent_rows])
                 if not all(found):
-                    missing = [k for k, f in zip(absent, found) if not f]
-                    raise NotFound(f"{len(missing)} of {n} keys are not stored (or failed their checksum): "
-                                   f"{_describe_keys(missing)}")
+                    if not prefix:
+                        missing = [keys[i] for i, f in zip(absent_rows, found) if not f]
+                        raise NotFound(f"{len(missing)} of {n} keys are not stored (or failed their checksum): "
+                                       f"{_describe_keys(missing)}")
+                    n = absent_rows[found.index(False)]
+                    keep = [j for j, i in enumerate(absent_rows) if i < n]
+                    absent_rows, buf = absent_rows[: len(keep)], buf[: len(keep)]
+                    keys, codes = keys[:n], codes[:n]
             per_tier: list[tuple[list, list]] = [([], []), ([], [])]
             for i, c in enumerate(codes):
                 if c is not None:
@@ -605,13 +635,13 @@ class Db:
                     t.arena.read(fr, dst, rows)
                     self._reads[t.index] += len(fr)
             if absent_rows:
-                staged = torch.from_numpy(buf)
                 rows_t = torch.as_tensor(absent_rows, dtype=torch.long, device=dst.device)
-                dst.index_copy_(0, rows_t, staged.to(dst.device, non_blocking=False))
+                dst.index_copy_(0, rows_t, torch.from_numpy(buf).to(dst.device))
                 self.pool.touch([k for k, c in zip(keys, codes) if c is not None], ctx)
-                self._promote_from_disk(absent, buf)
+                self._promote_from_disk([keys[i] for i in absent_rows], buf)
             else:
                 self.pool.touch(keys, ctx)
+        return n
 
     def pin(self, keys, *, ctx: AccessContext | None = None) -> PinnedPages:
         """Pin keys' pages in memory and return zero-copy views (a context manager).
@@ -770,7 +800,10 @@ class Db:
                 }
             if self._cold is not None:
                 disk = dict(self._cold.stats())
-                disk.setdefault("hits", self._disk_hits)
+                # lookups, as for the other tiers; the store's own read counters keep their names
+                disk["store_hits"], disk["store_misses"] = disk.pop("hits", 0), disk.pop("misses", 0)
+                disk["hits"] = self._disk_hits
+                disk["misses"] = self._lookup_misses
                 disk["reads"] = self._reads[2]
                 out["tiers"]["disk"] = disk
             out["lookup_misses"] = self._lookup_misses

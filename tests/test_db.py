@@ -365,3 +365,62 @@ def test_session_api_and_hint_outcomes(tmp_path):
         open_db(tmp_path / "b", replacer="belady")
     with pytest.raises(InvalidInput, match="unknown policy"):
         open_db(tmp_path / "c", replacer="fifo")
+
+
+def test_get_prefix_stops_at_first_unreadable_block(tmp_path):
+    # Scenario: blocks 0-4 stored, block 2 deleted: get_prefix copies 2 and returns 2; with the
+    # disk tier on, a block only on disk continues the run.
+    with open_db(tmp_path, host_pages=8) as db:
+        keys = db.block_keys(list(range(20)))
+        b = blocks_for(5)
+        db.put_blocks(keys, b)
+        db.delete([keys[2]])
+        out = torch.zeros_like(b)
+        assert db.get_prefix(keys, out=out) == 2
+        assert torch.equal(out[:2], b[:2]) and torch.count_nonzero(out[2:]) == 0
+    with kvdb.open(tmp_path / "d", layout=LAYOUT, model_id="m", host_bytes=2 * PAGE) as db:
+        keys = db.block_keys(list(range(20)))
+        b = blocks_for(5)
+        db.put_blocks(keys, b)  # 3 of them go straight to disk
+        db.delete([keys[4]])
+        out = torch.zeros_like(b)
+        assert db.get_prefix(keys, out=out) == 4
+        assert torch.equal(out[:4], b[:4])
+
+
+def test_peek_has_no_side_effects(tmp_path):
+    with open_db(tmp_path, host_pages=2) as db:
+        ks = [db.block_keys(list(range(10 * i, 10 * i + 4)))[0] for i in range(3)]
+        db.put_blocks(ks[:1], blocks_for(1))
+        db.put_blocks(ks[1:2], blocks_for(1))
+        before = db.stats()["tiers"]["host"]
+        assert db.contains(ks[0]) and db.match_prefix(ks[:1], peek=True) == 1
+        assert db.stats()["tiers"]["host"] == before  # no hits counted
+        db.put_blocks(ks[2:], blocks_for(1))  # evicts ks[0]: the peek did not make it recent
+        assert not db.contains(ks[0]) and db.contains(ks[1])
+
+
+def test_durable_put_persists_a_dirty_resident_block(tmp_path):
+    # Scenario: a block put with durability "none" lives only in memory; putting it again with
+    # "sync" must make it durable even though it is already stored.
+    with kvdb.open(tmp_path, layout=LAYOUT, model_id="m", host_bytes=4 * PAGE) as db:
+        keys = db.block_keys(list(range(8)))
+        b = blocks_for(2)
+        db.put_blocks(keys, b)
+        assert db._cold.contains(keys) == [False, False]
+        assert db.put_blocks(keys, b, durability="sync") == 0  # nothing new ...
+        assert db._cold.contains(keys) == [True, True]  # ... but now durable
+        assert [db.pool.tiers[1].dirty[db.pool.table[k] >> 1] for k in keys] == [0, 0]
+
+
+def test_open_under_inference_mode(tmp_path):
+    with torch.inference_mode():
+        with open_db(tmp_path, host_pages=2, device_pages=2, device="cpu") as db:
+            keys = db.block_keys(list(range(16)))
+            db.put_blocks(keys, torch.ones((4, *LAYOUT.block_shape)))
+            for k in keys:
+                db.prefetch([k])
+    with open_db(tmp_path, host_pages=2, device_pages=2, device="cpu") as db:
+        db.put_blocks(db.block_keys(list(range(8))), torch.ones((2, *LAYOUT.block_shape)))
+        with torch.inference_mode():
+            db.offload(db.block_keys(list(range(8))), to="host")

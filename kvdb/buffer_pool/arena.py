@@ -56,11 +56,15 @@ class Arena:
         self.page_bytes = page_bytes
         self.device = device
         pin = device.type == "cpu" and cuda_available()
-        self.data = torch.empty((num_frames, page_bytes), dtype=torch.uint8, device=device, pin_memory=pin)
+        # never an inference tensor, even when the Db is opened under torch.inference_mode(): the
+        # background mover writes arenas from a thread outside it
+        with torch.inference_mode(False):
+            self.data = torch.empty((num_frames, page_bytes), dtype=torch.uint8, device=device, pin_memory=pin)
         self.pinned = pin
         if device.type == "cpu" and not pin:
             # fault every page in now: first-touch page faults during a put cost ~3x its copy
-            self.data.zero_()
+            with torch.inference_mode(False):
+                self.data.zero_()
 
     @property
     def capacity_bytes(self) -> int:
