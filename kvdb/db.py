@@ -643,11 +643,13 @@ class Db:
                 self.pool.touch(keys, ctx)
         return n
 
-    def pin(self, keys, *, ctx: AccessContext | None = None) -> PinnedPages:
+    def pin(self, keys, *, ctx: AccessContext | None = None, prefix: bool = False) -> PinnedPages:
         """Pin keys' pages in memory and return zero-copy views (a context manager).
 
         Keys on disk are loaded into the host tier first; CapacityError when they cannot all be
-        resident at once (every other frame pinned, or more keys than frames).
+        resident at once (every other frame pinned, or more keys than frames). A key that is
+        not stored (or fails its checksum) raises NotFound, or with ``prefix=True`` ends the
+        pinned run there: ``len(pages)`` is then the longest readable prefix.
         """
         self._check()
         keys = normalize_keys(keys)
@@ -661,8 +663,15 @@ class Db:
                 absent_rows = [i for i in range(len(keys)) if i not in handles]
                 if absent_rows:
                     loaded, missing = self._load_from_disk([keys[i] for i in absent_rows])
-                    if missing:
+                    if missing and not prefix:
                         raise NotFound(f"cannot pin {len(missing)} keys that are not stored: {_describe_keys(missing)}")
+                    if missing:
+                        gone = set(missing)
+                        stop = next(i for i in absent_rows if keys[i] in gone)
+                        for i in [i for i in handles if i >= stop]:
+                            self.pool.unpin(*handles.pop(i))
+                        keys = keys[:stop]
+                        absent_rows = [i for i in absent_rows if i < stop]
                     for i in absent_rows:
                         if keys[i] not in self.pool.table:
                             raise CapacityError(f"cannot pin {len(keys)} pages at once: not enough unpinned frames")

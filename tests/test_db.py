@@ -424,3 +424,20 @@ def test_open_under_inference_mode(tmp_path):
         db.put_blocks(db.block_keys(list(range(8))), torch.ones((2, *LAYOUT.block_shape)))
         with torch.inference_mode():
             db.offload(db.block_keys(list(range(8))), to="host")
+
+
+def test_pin_prefix_pins_the_readable_run(tmp_path):
+    # Scenario: 5 blocks, 3 on disk (2-page host tier), block 3 deleted: pin(prefix=True) pins
+    # blocks 0-2 (loading the disk ones), and nothing stays pinned after release.
+    with kvdb.open(tmp_path, layout=LAYOUT, model_id="m", host_bytes=4 * PAGE) as db:
+        keys = db.block_keys(list(range(20)))
+        b = blocks_for(5)
+        db.put_blocks(keys[:2], b[:2])
+        db.put_blocks(keys[2:], b[2:], tier="disk")
+        db.delete([keys[3]])
+        with db.pin(keys, prefix=True) as p:
+            assert len(p) == 3
+            assert all(torch.equal(p[i], b[i]) for i in range(3))
+        with pytest.raises(NotFound):
+            db.pin(keys)
+        assert db.stats()["tiers"]["host"]["pinned_pages"] == 0

@@ -241,79 +241,29 @@ class PrefixCache:
         """(cache, good): a cache of the longest intact prefix of keys[:n] (I2).
 
         Fast path: pin keys[:n] (zero-copy views into kvdb's arena; disk blocks are read into
-        memory first), permute-copy them straight into the cache's tensors, unpin. Pinning and
-        ``Db.get_blocks`` are all-or-nothing: they raise NotFound when a block vanished between
-        match and read or failed its checksum on the way up from disk. Then the longest readable
-        prefix is found by bisection (log2(n) more pins, the failing block the only one not
-        already in memory after the first attempt): a rare path, so the common one stays one
-        batched read. When the blocks cannot all be pinned at once (a tier smaller than the
-        prefix: CapacityError), they are read with ``get_blocks`` into a staging buffer instead.
+        memory first), permute-copy them straight into the cache's tensors, unpin. A block that
+        vanished between match and read, or failed its checksum on the way up from disk, ends
+        the pinned run (``Db.pin(prefix=True)``). When the blocks cannot all be pinned at once
+        (a tier smaller than the prefix: CapacityError), the longest readable run is read with
+        ``Db.get_prefix`` into a staging buffer instead.
         """
         if n == 0:
             return cache_from_blocks(self.config, self._buf[:0], device=self._device), 0
-        pinned, good = self._pin_prefix(keys, n)
-        if pinned is None:  # read into the staging buffer instead (capacity) -- or nothing usable
-            if good:
-                self.stats.staged_lookups += 1
-            good, filled = self._readable_prefix(keys, good)
-            blocks = self._buffer(good)[:good]
-            if good and not filled:
-                self.db.get_blocks(keys[:good], out=blocks)
-            return cache_from_blocks(self.config, blocks, device=self._device), good
+        try:
+            pinned = self.db.pin(keys[:n], prefix=True)
+        except CapacityError:
+            self.stats.staged_lookups += 1
+            blocks = self._buffer(n)[:n]
+            good = self.db.get_prefix(keys[:n], out=blocks)
+            return cache_from_blocks(self.config, blocks[:good], device=self._device), good
+        good = len(pinned)
         with pinned:
+            if good == 0:
+                return cache_from_blocks(self.config, self._buf[:0], device=self._device), 0
             src = _as_batch(pinned.pages)
             if src is None:  # scattered frames: gather them in one op into the staging buffer
                 src = torch.stack(pinned.pages, out=self._buffer(good)[:good])
             return cache_from_blocks(self.config, src, device=self._device), good
-
-    def _pin_prefix(self, keys: list, n: int):
-        """(PinnedPages, good) for the longest intact prefix, or (None, m) when pinning is not
-        possible for capacity reasons: the longest intact prefix lies within keys[:m]."""
-        try:
-            return self.db.pin(keys[:n]), n
-        except CapacityError:
-            return None, n
-        except NotFound:
-            pass
-        lo, hi = 0, n  # keys[:lo] readable, keys[:hi] not
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            try:
-                self.db.pin(keys[:mid]).release()
-                lo = mid
-            except NotFound:
-                hi = mid
-            except CapacityError:
-                return None, hi
-        if lo == 0:
-            return None, 0
-        try:
-            return self.db.pin(keys[:lo]), lo
-        except (NotFound, CapacityError):  # evicted / damaged since, or no room now
-            return None, lo
-
-    def _readable_prefix(self, keys: list, n: int) -> tuple[int, bool]:
-        """(good, filled): how many leading keys of keys[:n] ``get_blocks`` can read (bisection,
-        I2), and whether the staging buffer holds exactly keys[:good] now (the last read was
-        that one; a failed read may have written part of the buffer)."""
-        if n == 0:
-            return 0, True
-        buf = self._buffer(n)
-        try:
-            self.db.get_blocks(keys[:n], out=buf)
-            return n, True
-        except NotFound:
-            pass
-        lo, hi = 0, n
-        last_ok = False
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            try:
-                self.db.get_blocks(keys[:mid], out=buf)
-                lo, last_ok = mid, True
-            except NotFound:
-                hi, last_ok = mid, False
-        return lo, last_ok or lo == 0
 
     def keys(self, input_ids) -> list:
         """The block keys of every full block of ``input_ids`` in this cache's tenant."""
@@ -362,7 +312,7 @@ class PrefixCache:
         if num_full == 0:
             return 0
         keys = self.db.block_keys(tokens[: num_full * bt], tenant=self.tenant)
-        have = self.db.match_prefix(keys)
+        have = self.db.match_prefix(keys, peek=True)  # a check, not a use: no hits, no recency
         todo = num_full - have
         if todo <= 0:
             return 0

@@ -200,11 +200,19 @@ class VanishingDb:
         if self.lost & set(keys):
             raise NotFound("injected: block failed its checksum")
 
+    def _readable(self, keys):
+        return next((i for i, k in enumerate(keys) if k in self.lost), len(keys))
+
     def get_blocks(self, keys, out):
         self._fault(keys)
         return self._db.get_blocks(keys, out=out)
 
-    def pin(self, keys):
+    def get_prefix(self, keys, out):
+        return self._db.get_prefix(keys[: self._readable(keys)], out=out)
+
+    def pin(self, keys, prefix=False):
+        if prefix:
+            return self._db.pin(keys[: self._readable(keys)], prefix=True)
         self._fault(keys)
         return self._db.pin(keys)
 
