@@ -87,7 +87,7 @@ from kvdb.cold.index import Index
 DURABILITIES = ("none", "group", "sync")
 DEFAULT_SEGMENT_BYTES = 256 << 20
 DEFAULT_CHECKPOINT_BYTES = 512 << 20
-READ_SLICE_BYTES = 8 << 20  # raw runs are read and checked in slices of this many bytes
+READ_SLICE_BYTES = 4 << 20  # raw runs are read and checked in slices of this many bytes
 PERSISTED_COUNTERS = ("hits", "misses", "corruptions", "evictions", "puts", "deletes", "segments_deleted")
 
 
@@ -688,12 +688,8 @@ class ColdStore:
             if fd is None:
                 continue
             try:
-                # ask the kernel for the whole run now, then read and check it in slices: the
-                # checksums of one slice overlap the device reading the next
-                try:
-                    os.posix_fadvise(fd, off, len(run) * want, os.POSIX_FADV_WILLNEED)
-                except (OSError, AttributeError):
-                    pass
+                # read and check the run in slices: the checksums of one slice overlap the
+                # device reading the next (posix_fadvise WILLNEED over the run measured slower)
                 per = max(1, READ_SLICE_BYTES // want)
                 slices = []
                 for a in range(0, len(run), per):
