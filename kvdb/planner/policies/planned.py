@@ -18,11 +18,14 @@ Each resident block is in one of two classes:
   A plan has a deadline, t_next + 3 (t_next - now) + 2 s (slack for noisy hints: σ = 1 in
   log space is a factor e either way); past it the block becomes unplanned.
 * **unplanned**: GreedyDual over a learned value. Key H = L + v with
-  v = min(accesses, 64) * (1 + priority), 0 for the last block of a call (almost always a
-  partial block: the next turn's longer prompt changes its hash, so it is reused ~1 % of the
-  time on the Mooncake traces vs ~40 % for its parent). L rises to the H of each victim, so
-  an idle block ages out however valuable it was. Access counts survive eviction in a ghost
-  table of ``num_frames`` ids, so a returning hot prefix is recognised.
+  v = min(accesses, 64) ** alpha * (1 + priority), 0 for the last block of a call (almost
+  always a partial block: the next turn's longer prompt changes its hash, so it is reused ~1 %
+  of the time on the Mooncake traces vs ~40 % for its parent). L rises to the H of each
+  victim, so an idle block ages out however valuable it was. kvdb.planner.policies.reuse
+  keeps access counts of evicted blocks in a history of 32 ids per frame (blocks return after
+  hundreds of calls) and sets alpha from the median observed reuse gap over Tc: 1 when the
+  cache holds blocks about as long as they take to return, up to 3 (frequent blocks held
+  long, one-shot ones barely admitted) when it is far smaller.
 
 Victim order: expired plans are demoted; then (1) an unplanned block at or below the floor L
 (junk: last blocks, ended sessions, aged out); (2) the planned block with the furthest
@@ -41,12 +44,12 @@ from __future__ import annotations
 import heapq
 import math
 from array import array
-from collections import OrderedDict
 from typing import Any, Hashable
 
 from kvdb.buffer_pool.replacer import AccessContext, Replacer
 from kvdb.errors import InvalidInput
 from kvdb.planner.events import CallFinished, CallStarted, HintGiven, SessionBegan, SessionEnded
+from kvdb.planner.policies.reuse import ReuseEstimator
 from kvdb.planner.workflow import Workflow
 
 ABSENT, LISTED, PINNED = 0, 1, 2
@@ -84,7 +87,7 @@ class PlannedReplacer(Replacer):
         self._gd: list[tuple] = []  # (H, -depth, ver, f)
         self._plan: list[tuple] = []  # (-t_next, -depth, pver, f)
         self._expire: list[tuple] = []  # (deadline, pver, f)
-        self._ghosts: OrderedDict[Hashable, int] = OrderedDict()
+        self._reuse = ReuseEstimator(n)  # counts of evicted blocks, value exponent
         self._session_frames: dict[str, set[int]] = {}
         self._count = 0
         self._L = 0.0
@@ -235,7 +238,7 @@ class PlannedReplacer(Replacer):
                 self._returns[sid] = plan[0]
             else:
                 self._returns.pop(sid, None)
-        state, hits, ghosts = self._state, self._hits, self._ghosts
+        state, hits, reuse = self._state, self._hits, self._reuse
         wf_agent = self._current if (sid is not None and self._current[0] == sid and sid in self._workflows) else None
         if wf_agent is not None:
             plan = None  # the workflow's estimate replaces the per-call hint (_replan at CallFinished)
@@ -265,19 +268,20 @@ class PlannedReplacer(Replacer):
                     self._check(f)
                     state[f] = LISTED
                     self._count += 1
-                n = (ghosts.pop(bid, 0) if bid is not None else 0) + 1
+                n = (reuse.recall(bid, now) if bid is not None else 0) + 1
                 self._id[f] = bid
                 self._planned[f] = 0
                 self._shared[f] = 0
                 self._sess[f] = None
             else:
                 n = hits[f] + 1
+                reuse.observe_gap(now - self._last_s[f])
             hits[f] = n
             self._depth[f] = j
             self._last_s[f] = now
             leaf = j == last and j > 0
             self._leaf[f] = leaf
-            self._h[f] = L + (0 if leaf else min(n, VALUE_CAP) * prio)
+            self._h[f] = L + (0 if leaf else reuse.value(n, VALUE_CAP) * prio)
             self._own(f, sid)
             if plan is not None and not leaf and not self._shared[f]:
                 self._set_plan(f, plan[0], plan[1])
@@ -290,6 +294,8 @@ class PlannedReplacer(Replacer):
                 self._push_gd(f)
         if sid is not None and wf_agent is None:
             self._infer_fan_in(sid, frames, hints.get("expected_tool_duration_s"), now)
+        if reuse.epoch_due():
+            reuse.update(self._tc)
 
     def _infer_fan_in(self, sid: str, frames, d: float | None, now: float) -> None:
         """Sessions without a workflow: an agent whose call carries no tool-wait hint while
@@ -348,7 +354,7 @@ class PlannedReplacer(Replacer):
                 if self._state[f] == ABSENT or self._leaf[f] or self._shared[f]:
                     continue
                 if prio is not None:
-                    self._h[f] = self._L + min(self._hits[f], VALUE_CAP) * (1 + prio)
+                    self._h[f] = self._L + self._reuse.value(self._hits[f], VALUE_CAP) * (1 + prio)
                 if plan is not None:
                     self._set_plan(f, plan[0], plan[1])
                 elif not self._planned[f]:
@@ -428,10 +434,7 @@ class PlannedReplacer(Replacer):
         self._planned[f] = 0
         bid = self._id[f]
         if bid is not None:
-            self._ghosts[bid] = self._hits[f]
-            self._ghosts.move_to_end(bid)
-            if len(self._ghosts) > self.num_frames:
-                self._ghosts.popitem(last=False)
+            self._reuse.remember(bid, self._hits[f], self._last_s[f])
             self._id[f] = None
         self._hits[f] = 0
         self._inc[f] += 1
@@ -474,6 +477,10 @@ class PlannedReplacer(Replacer):
 
     def debug_tc(self) -> float:
         return self._tc
+
+    def debug_value(self, frame: int) -> float:
+        """The frame's GreedyDual value above the floor L, H - L (tests only)."""
+        return self._h[frame] - self._L
 
     def debug_plan(self, frame: int) -> float | None:
         """The frame's planned next use, None when it is not planned (tests only)."""
