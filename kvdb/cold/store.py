@@ -33,7 +33,9 @@ Locks (in the order they may nest)
     ``_apply_lock`` serialises applying the queue to RocksDB.
     ``writer.lock`` appends, ``_queue`` order, ``_pending``, ``_live``, ``_seg_live``.
     ``_fd_lock``    the read fd cache ``_fds``.
-    ``_stats_lock`` the counters.
+    ``_stats_lock`` the read-side counters (hits, misses, corruptions, ...); puts, deletes and
+                    evictions change under ``writer.lock`` instead (their own keys, so the two
+                    never race on one entry).
 
 Eviction under ``disk_bytes``: live record bytes never exceed it; the oldest written blocks go
 first (a DELETE record is appended in the same batch), counted in ``evictions``. A batch bigger
@@ -328,11 +330,11 @@ class ColdStore:
             raise InvalidInput("a put batch names the same key twice")
         if not keys:
             return
-        self._writer.arriving(+1)
+        token = self._writer.arrive()
         try:
             last = self._encode_and_append(keys, pages, positions, namespace_id)
         finally:
-            self._writer.arriving(-1)
+            self._writer.arrived(token)
         self._make_durable(last, durability)
 
     def _encode_and_append(self, keys, pages, positions, namespace_id: int) -> int:
@@ -375,7 +377,11 @@ class ColdStore:
                 self._pending[key] = (loc.lsn, e)
                 self._set_live(key, loc.lsn, loc.record_bytes, loc.segment_no)
             self._ckpt_log_bytes += sum(loc.record_bytes for loc in locs)
-            self._count(puts=len(items), evictions=len(evict))
+            # writer-side counters change only under writer.lock (no second lock on the hot path)
+            c = self._counters
+            c["puts"] += len(items)
+            if evict:
+                c["evictions"] += len(evict)
             return w.next_lsn - 1
 
     def _plan_evictions(self, items: list) -> tuple[list, list[bytes]]:
@@ -400,7 +406,7 @@ class ColdStore:
                 if need <= self.disk_bytes:
                     break
         if dropped:
-            self._count(evictions=dropped)
+            self._counters["evictions"] += dropped
         return items, evict
 
     def _set_live(self, key: bytes, lsn: int, record_bytes: int, segment_no: int) -> None:
@@ -439,7 +445,7 @@ class ColdStore:
                 raise
             self._note_delete(loc.lsn, live)
             self._ckpt_log_bytes += loc.record_bytes
-            self._count(deletes=len(live))
+            self._counters["deletes"] += len(live)
         self._make_durable(loc.lsn, durability)
         return len(live)
 

@@ -32,6 +32,7 @@ Locks
 
 from __future__ import annotations
 
+import collections
 import os
 import threading
 import time
@@ -80,8 +81,9 @@ class LogWriter:
         self.closed = False
         # writers between "about to append" and "appended" (``arriving()``); a group leader
         # waits up to ``max_gather_s`` for them so that one fsync covers them too
-        self._arriving = 0
-        self._arriving_lock = threading.Lock()
+        # one entry per writer on its way (deque append/pop are atomic in CPython: no lock on
+        # the hot path)
+        self._arriving: collections.deque = collections.deque()
         self.max_gather_s = 0.0005
         try:
             if offset == 0:
@@ -176,10 +178,26 @@ class LogWriter:
 
     # -- durability
 
-    def arriving(self, delta: int) -> None:
-        """The store announces a writer on its way to ``append`` (+1) and its arrival (-1)."""
-        with self._arriving_lock:
-            self._arriving += delta
+    def arrive(self) -> object:
+        """The store announces a writer on its way to ``append``; returns its token."""
+        token = object()
+        self._arriving.append(token)
+        return token
+
+    def arrived(self, token: object) -> None:
+        """The writer holding ``token`` has appended (or given up)."""
+        self._arriving.remove(token)
+
+    def _gather(self) -> None:
+        """Leader: wait (at most max_gather_s) for the writers that were already on their way
+        when it took the lead -- not for later ones, or a busy log would always wait."""
+        snapshot = list(self._arriving)
+        if not snapshot:
+            return
+        deadline = time.perf_counter() + self.max_gather_s
+        arriving = self._arriving
+        while time.perf_counter() < deadline and any(t in arriving for t in snapshot):
+            time.sleep(0)
 
     def sync_to(self, lsn: int, own: bool = False) -> int:
         """Return once every record up to ``lsn`` is fsynced (W2). ``own``: fsync now, alone."""
@@ -194,11 +212,8 @@ class LogWriter:
                         self._syncing = True
                         break
                     self._cond.wait()
-        if not own and self._arriving > 0:
-            # leader: let writers already encoding or appending join this fsync (bounded wait)
-            deadline = time.perf_counter() + self.max_gather_s
-            while self._arriving > 0 and time.perf_counter() < deadline:
-                time.sleep(0)
+        if not own:
+            self._gather()
         try:
             with self.lock:
                 self.check()
