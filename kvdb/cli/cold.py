@@ -161,7 +161,7 @@ def wal_dump_cmd(path: str, segment_no: int | None, as_json: bool) -> None:
 @click.option("--threads", default=8, show_default=True, help="writer threads for the group-commit figure")
 @click.option("--ops", default=400, show_default=True, help="small puts per thread (and for the sync figure)")
 @click.option("--recovery-mib", default=1024, show_default=True, help="log replayed for the recovery figure; 0 skips")
-@click.option("--repeats", default=3, show_default=True, help="bandwidth runs; figures are their medians")
+@click.option("--repeats", default=5, show_default=True, help="bandwidth runs; figures are their medians")
 @json_option
 def bench_cold_cmd(dir_path, total_mib, batch_pages, threads, ops, recovery_mib, repeats, as_json) -> None:
     """Disk tier write / read vs raw write+fsync / read of the same bytes; group vs sync commits."""
