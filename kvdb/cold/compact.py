@@ -7,9 +7,9 @@ For every sealed segment (never the active one) holding dead bytes, the records 
 blocks are copied to the head of the log -- the body bytes unchanged (sealed payloads stay
 sealed), the header re-encoded for a new lsn (format invariant R3) -- their index entries move,
 the copies are fsynced and indexed, a checkpoint is flushed beyond them, and only then is the
-old segment deleted (store invariant C4). A crash at any point leaves either the old copy
-indexed (and the new one garbage after the checkpoint... or replayed) or the new one: never a
-block without a readable record.
+old segment deleted (store invariant C4). A crash at any point leaves each block indexed at
+its old copy (the new one is then either replayed from the log and wins, or was never
+acknowledged) or at its new copy: never a block without a readable record.
 
 A record that fails its checks while being copied is left where it is (its segment is kept,
 ``kvdb verify`` reports it, reads of it are counted misses), so compaction never turns damage

@@ -62,7 +62,6 @@ from kvdb.format.record import (
     META_TYPES,
     NO_POSITION,
     PUT_FIXED,
-    PUT_FIXED_BYTES,
     PUT_PAYLOAD_OFFSET,
     RECORD_HEADER,
     RECORD_HEADER_BYTES,
@@ -838,4 +837,4 @@ class ColdStore:
         return verify(self, progress)
 
 
-__all__ = ["ColdStore", "DURABILITIES", "PUT_FIXED_BYTES"]
+__all__ = ["ColdStore", "DURABILITIES"]
