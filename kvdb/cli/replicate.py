@@ -125,14 +125,16 @@ def _render_status(s: dict, console) -> None:
 @click.option("--blocks", default=64, show_default=True, help="2 MiB blocks per round")
 @click.option("--repeats", default=3, show_default=True)
 @click.option("--transport", type=click.Choice(["auto", "mooncake", "tcp"]), default="auto", show_default=True)
-@click.option("--chunk-mib", default=64, show_default=True, help="MiB per push chunk (two in flight)")
+@click.option("--chunk-mib", default=32, show_default=True, help="MiB per push chunk")
+@click.option("--window", default=4, show_default=True, help="push chunks sent and not yet acknowledged")
 @json_option
-def bench_replication_cmd(blocks: int, repeats: int, transport: str, chunk_mib: int, as_json: bool) -> None:
+def bench_replication_cmd(blocks: int, repeats: int, transport: str, chunk_mib: int, window: int,
+                          as_json: bool) -> None:
     """Push and log shipping of 2 MiB blocks over loopback vs the engine's own batch write."""
     from kvdb.replication.bench import bench_replication
 
-    emit(bench_replication(num_blocks=blocks, repeats=repeats, transport=transport, chunk_bytes=chunk_mib << 20),
-         as_json)
+    emit(bench_replication(num_blocks=blocks, repeats=repeats, transport=transport, chunk_bytes=chunk_mib << 20,
+                           window=window), as_json)
 
 
 def register(cli: click.Group) -> None:

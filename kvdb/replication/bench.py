@@ -32,7 +32,7 @@ import torch
 from kvdb.buffer_pool.layout import BlockLayout
 from kvdb.errors import ReplicationError
 from kvdb.replication.netns import netns_unavailable, private_netns
-from kvdb.replication.peer import DEFAULT_CHUNK_BYTES
+from kvdb.replication.peer import DEFAULT_CHUNK_BYTES, DEFAULT_WINDOW
 from kvdb.replication.transport import transport_kind
 
 # Llama-3-8B-like: 32 layers x 2 x 16 tokens x 8 kv heads x 128 dims x bf16 = 2 MiB
@@ -72,7 +72,7 @@ def _address(proc: subprocess.Popen) -> str:
 
 
 def bench_replication(num_blocks: int = 64, repeats: int = 3, transport: str = "auto",
-                      chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> dict:
+                      chunk_bytes: int = DEFAULT_CHUNK_BYTES, window: int = DEFAULT_WINDOW) -> dict:
     kind = transport_kind(transport)
     why = netns_unavailable()
     if why is not None and kind == "mooncake":
@@ -80,12 +80,12 @@ def bench_replication(num_blocks: int = 64, repeats: int = 3, transport: str = "
                                f"private network namespace, which is unavailable here ({why}); "
                                "use --transport tcp")
     if why is not None:
-        return _run(num_blocks, repeats, kind, chunk_bytes)
+        return _run(num_blocks, repeats, kind, chunk_bytes, window)
     with private_netns():
-        return _run(num_blocks, repeats, kind, chunk_bytes)
+        return _run(num_blocks, repeats, kind, chunk_bytes, window)
 
 
-def _run(num_blocks: int, repeats: int, kind: str, chunk_bytes: int) -> dict:
+def _run(num_blocks: int, repeats: int, kind: str, chunk_bytes: int, window: int) -> dict:
     import kvdb
     from kvdb.replication.peer import Peer
     from kvdb.replication.replicator import Replicator
@@ -96,7 +96,7 @@ def _run(num_blocks: int, repeats: int, kind: str, chunk_bytes: int) -> dict:
     blocks = blocks.view(BENCH_LAYOUT.dtype)
     rows = blocks.view(torch.uint8).reshape(num_blocks, page)
     out: dict = {"block_bytes": page, "blocks": num_blocks, "repeats": repeats, "transport": kind,
-                 "chunk_bytes": chunk_bytes,
+                 "chunk_bytes": chunk_bytes, "window": window,
                  "unit": "GB/s (1e9 bytes/s), median of repeats"}
     with tempfile.TemporaryDirectory(prefix="kvdb-bench-repl-") as tmp:
         secret_file = os.path.join(tmp, "secret")
@@ -122,8 +122,8 @@ def _run(num_blocks: int, repeats: int, kind: str, chunk_bytes: int) -> dict:
                 return time.perf_counter() - t0
 
             chunk = chunk_bytes
-            with Peer(mem_addr, secret=_SECRET, transport=kind, chunk_bytes=chunk) as p, \
-                    Peer(mem_addr, secret=_SECRET, transport=kind, chunk_bytes=chunk) as q:
+            with Peer(mem_addr, secret=_SECRET, transport=kind, chunk_bytes=chunk, window=window) as p, \
+                    Peer(mem_addr, secret=_SECRET, transport=kind, chunk_bytes=chunk, window=window) as q:
                 for _ in range(2):  # warm-up: connections, landing regions, arena frames
                     q.push(fresh_keys(), blocks, durability="none")
                 te, push = [], []
@@ -143,10 +143,10 @@ def _run(num_blocks: int, repeats: int, kind: str, chunk_bytes: int) -> dict:
                     out["te_batch_write_gbps"] = _gbps(nbytes, te)
                     out["push_vs_te_per_round"] = [round(a / b, 3) for a, b in zip(te, push)]
                 out["push_gbps"] = _gbps(nbytes, push)
-            with Peer(mem_addr, secret=_SECRET, transport="tcp", chunk_bytes=chunk) as q:
+            with Peer(mem_addr, secret=_SECRET, transport="tcp", chunk_bytes=chunk, window=window) as q:
                 q.push(fresh_keys(), blocks, durability="none")
                 out["push_tcp_inline_gbps"] = _gbps(nbytes, [timed_push(q, "none") for _ in range(repeats)])
-            with Peer(disk_addr, secret=_SECRET, transport=kind, chunk_bytes=chunk) as q:
+            with Peer(disk_addr, secret=_SECRET, transport=kind, chunk_bytes=chunk, window=window) as q:
                 for _ in range(2):
                     q.push(fresh_keys(), blocks, durability="sync")
                 out["push_sync_gbps"] = _gbps(nbytes, [timed_push(q, "sync") for _ in range(repeats)])

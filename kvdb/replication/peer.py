@@ -2,16 +2,19 @@
 
 Push (prefill node -> decode node), over one authenticated channel::
 
-    OPEN_REGION {bytes}            ->   REGION {transport, addr, bytes}   (landing memory)
-    TE write chunk 0 -> half A;  PUT_BLOCKS {offset, digests} + keys ->
-    TE write chunk 1 -> half B;  PUT_BLOCKS ...                      ->
-                                   <-   PUT_ACK chunk 0   (durable on the peer)
-    TE write chunk 2 -> half A (only after chunk 0's ack) ...
+    OPEN_REGION {bytes}            ->   REGION {transport, addr, bytes}   (window x chunk slots)
+    TE write chunk 0 -> slot 0 (async); digests of chunk 0 while it moves
+    TE write chunk 1 -> slot 1 (async); digests of chunk 1
+    chunk 0 written:  PUT_BLOCKS {offset, digests} + keys   ->
+    ...                            <-   PUT_ACK chunk 0   (durable on the peer)
+    TE write chunk 4 -> slot 0 (only after chunk 0's ack) ...
 
-Two halves of the landing region double-buffer the stream: the peer persists chunk k while the
-engine moves chunk k+1, so the durable push runs close to the engine's own write speed. On the
-inline (plain TCP) path the data follows the keys in each PUT_BLOCKS frame and the same
-two-chunks-in-flight window applies.
+The landing region holds ``window`` chunks (default 4 x 32 MiB): the peer stores chunk k while
+the engine moves the next ones, and up to two engine writes are in flight. Measured on 2 busy
+cores (docs/replication.md): 4 x 32 MiB gave push/engine 0.75-0.97, 2 x 64 MiB 0.60-0.87,
+4 x 16 MiB 0.48-0.91, 8 x 8 MiB 0.64-0.99 -- larger engine batches are cheaper, a smaller last
+chunk shortens the unoverlapped tail (the peer storing it). On the inline (plain TCP) path the
+data follows the keys in each PUT_BLOCKS frame under the same window.
 
 Invariants:
   P1. ``push`` returns only after the peer acknowledged every chunk, and the peer acknowledges a
@@ -23,7 +26,7 @@ Invariants:
       2 cores every byte hashed is taken from the transfer (crc32c held push at 0.6x the
       engine's write, the goal is 0.8x). It guards against damage, not against an attacker who
       can write into registered memory: the engine's port must be on a trusted fabric.
-  P3. A chunk's landing half is rewritten only after that chunk's ack (no torn reuse).
+  P3. Landing slot k % window is rewritten only after chunk k - window's ack (no torn reuse).
 """
 
 from __future__ import annotations
@@ -40,7 +43,8 @@ from kvdb.replication.protocol import MsgType
 from kvdb.replication.transport import Transport, get_transport
 from kvdb.types import KEY_BYTES
 
-DEFAULT_CHUNK_BYTES = 64 << 20  # bytes per PUT_BLOCKS chunk; two are in flight (64 MiB measured best)
+DEFAULT_CHUNK_BYTES = 32 << 20  # bytes per PUT_BLOCKS chunk
+DEFAULT_WINDOW = 4  # chunks sent and not yet acknowledged; the landing region holds this many
 DURABILITY = ("none", "group", "sync")
 
 
@@ -85,6 +89,7 @@ class Peer:
         node: str = "",
         timeout_s: float = 60.0,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        window: int = DEFAULT_WINDOW,
     ) -> None:
         if secret is None:
             secret = load_secret(secret_file)
@@ -98,6 +103,7 @@ class Peer:
         self.peer_transport = self.channel.peer_meta.get("transport") or {}
         self.peer_layout = self.channel.peer_meta.get("layout")
         self.chunk_bytes = int(chunk_bytes)
+        self.window = max(1, int(window))
         self._region: dict | None = None  # the peer's landing region for this connection
         self._region_asked = 0  # bytes asked for it
         self._recv: torch.Tensor | None = None  # registered buffer the peer writes lookups into
@@ -154,17 +160,17 @@ class Peer:
         key_blob = encode_keys(keys)
         per_chunk = max(1, min(n, self.chunk_bytes // page_bytes))
         engine = self.uses_engine
-        window = 2  # chunks in flight (P3: a landing half is reused only after its ack)
+        window = self.window  # chunks not yet acknowledged (P3)
         region = None
         registered: list[torch.Tensor] = []
         if engine:
-            want = (2 if n > per_chunk else 1) * per_chunk * page_bytes
-            region = self._landing_region(want)
+            num_chunks = -(-n // per_chunk)
+            region = self._landing_region(min(window, num_chunks) * per_chunk * page_bytes)
             slots = int(region["bytes"]) // page_bytes
             if slots < 1:
                 raise ReplicationError(f"{self.addr} offered a landing region smaller than one block")
             per_chunk = min(per_chunk, slots)
-            window = 2 if slots >= 2 * per_chunk else 1
+            window = max(1, min(window, slots // per_chunk))
             seen: set[int] = set()
             for r in rows:  # one registration per backing storage (an arena: once, ever)
                 sp = r.untyped_storage().data_ptr()
@@ -181,32 +187,47 @@ class Peer:
 
     def _push_chunks(self, key_blob: bytes, rows: list[torch.Tensor], page_bytes: int, durability: str,
                      per_chunk: int, window: int, region: dict | None) -> None:
+        """Send chunks, at most ``window`` unacknowledged (P3: slot k % window is rewritten only
+        after chunk k - window's ack). Engine path: up to two writes in flight; each chunk's
+        digests are computed while its own transfer runs, and it is announced (PUT_BLOCKS) once
+        its write completed and the next one is already submitted."""
         n = len(rows)
-        engine = region is not None
-        in_flight: deque[int] = deque()
+        acks: deque[int] = deque()  # announced chunks awaiting PUT_ACK, oldest first
+        pending: deque = deque()  # engine: (chunk, write handle, meta, keys) submitted, not announced
+
+        def announce() -> None:
+            chunk, handle, meta, ck = pending.popleft()
+            self.transport.wait(handle)
+            self.channel.send(MsgType.PUT_BLOCKS, meta, [ck])
+            acks.append(chunk)
+
         for chunk, start in enumerate(range(0, n, per_chunk)):
             stop = min(n, start + per_chunk)
-            if len(in_flight) >= window:
-                self._wait_ack(in_flight.popleft())
+            while len(acks) + len(pending) >= window:
+                if acks:
+                    self._wait_ack(acks.popleft())
+                else:
+                    announce()
             part = rows[start:stop]
             meta = {"chunk": chunk, "blocks": len(part), "page_bytes": page_bytes, "durability": durability}
             ck = key_blob[start * KEY_BYTES : stop * KEY_BYTES]
-            if engine:
-                offset = (chunk % window) * per_chunk * page_bytes
-                base = int(region["addr"]) + offset
-                srcs = [(r.data_ptr(), page_bytes) for r in part]
-                handle = self.transport.write_async(region["transport"], srcs,
-                                                    [base + i * page_bytes for i in range(len(part))])
-                meta["digests"] = block_digests(part)  # overlaps the transfer
-                self.transport.wait(handle)
-                meta.update(inline=False, offset=offset)
-                self.channel.send(MsgType.PUT_BLOCKS, meta, [ck])
-            else:
+            if region is None:
                 meta.update(inline=True)  # the frame's HMAC covers the data
                 self.channel.send(MsgType.PUT_BLOCKS, meta, [ck, *[r.numpy() for r in part]])
-            in_flight.append(chunk)
-        while in_flight:
-            self._wait_ack(in_flight.popleft())
+                acks.append(chunk)
+                continue
+            offset = (chunk % window) * per_chunk * page_bytes
+            base = int(region["addr"]) + offset
+            handle = self.transport.write_async(region["transport"], [(r.data_ptr(), page_bytes) for r in part],
+                                                [base + i * page_bytes for i in range(len(part))])
+            meta.update(inline=False, offset=offset, digests=block_digests(part))  # overlaps the transfer
+            pending.append((chunk, handle, meta, ck))
+            if len(pending) >= 2:
+                announce()
+        while pending:
+            announce()
+        while acks:
+            self._wait_ack(acks.popleft())
 
     def _wait_ack(self, chunk: int) -> None:
         ack = self.channel.expect(MsgType.PUT_ACK)
