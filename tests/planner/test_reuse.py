@@ -80,3 +80,21 @@ def test_kvdb_keeps_a_chain_it_remembers_across_long_scans():
                 nxt += 3
     t = _trace(calls)
     assert (replay(t, "lru", 5).hits, replay(t, "kvdb", 5).hits) == (0, 49)
+
+
+def test_first_access_value_learns_which_call_lengths_come_back():
+    assert [ReuseEstimator.klass(b) for b in (1, 2, 3, 64, 10 ** 6)] == [0, 4, 6, 24, 47]
+    est = ReuseEstimator(1, history_mult=1)  # one id of history
+    for i in range(10):  # blocks first seen in 4-block calls (class 8) all come back
+        est.remember(("a", i), 1, 0.0, ReuseEstimator.klass(4))
+        assert est.recall(("a", i), 1.0) == 1
+    for i in range(11):  # blocks of 8-block calls (class 12) are forgotten unseen
+        est.remember(("b", i), 1, 0.0, ReuseEstimator.klass(8))
+    est.remember(("c", 0), 2, 0.0)  # not a first-seen block: no class, pushes b10 out
+    assert [est.first_value(k) for k in (8, 12, 20)] == [1.0, 1.0, 1.0]  # nothing learned yet
+    est.update(math.inf)
+    # P = 10 / 21 overall; each class's rate is pulled to it by 20 pseudo-observations
+    p = 10 / 21
+    assert est.first_value(8) == pytest.approx((10 + 20 * p) / 30 / p)
+    assert est.first_value(12) == pytest.approx((20 * p) / 31 / p)
+    assert est.first_value(20) == pytest.approx(1.0)

@@ -25,7 +25,8 @@ Each resident block is in one of two classes:
   keeps access counts of evicted blocks in a history of 32 ids per frame (blocks return after
   hundreds of calls) and sets alpha from the median observed reuse gap over Tc: 1 when the
   cache holds blocks about as long as they take to return, up to 3 (frequent blocks held
-  long, one-shot ones barely admitted) when it is far smaller.
+  long, one-shot ones barely admitted) when it is far smaller. A block seen once is worth
+  its call length class's learned P(seen again) over the overall one instead of 1.
 
 Victim order: expired plans are demoted; then (1) an unplanned block at or below the floor L
 (junk: last blocks, ended sessions, aged out); (2) the planned block with the furthest
@@ -88,6 +89,7 @@ class PlannedReplacer(Replacer):
         self._plan: list[tuple] = []  # (-t_next, -depth, pver, f)
         self._expire: list[tuple] = []  # (deadline, pver, f)
         self._reuse = ReuseEstimator(n)  # counts of evicted blocks, value exponent
+        self._kls = array("i", [-1]) * n  # first-access class while accessed once, else -1
         self._session_frames: dict[str, set[int]] = {}
         self._count = 0
         self._L = 0.0
@@ -261,6 +263,8 @@ class PlannedReplacer(Replacer):
                             self._interest[f].pop(wf_agent, None)
                             self._refresh(f, now)
         L = self._L
+        kls = self._kls
+        k1 = reuse.klass(len(frames))
         for j, f in enumerate(frames):
             bid = ids[j] if ids is not None else None
             if state[f] == ABSENT or hits[f] == 0:
@@ -276,12 +280,22 @@ class PlannedReplacer(Replacer):
             else:
                 n = hits[f] + 1
                 reuse.observe_gap(now - self._last_s[f])
+                if kls[f] >= 0:
+                    reuse.seen_again(kls[f])
             hits[f] = n
             self._depth[f] = j
             self._last_s[f] = now
             leaf = j == last and j > 0
             self._leaf[f] = leaf
-            self._h[f] = L + (0 if leaf else reuse.value(n, VALUE_CAP) * prio)
+            if leaf:
+                kls[f] = -1
+                self._h[f] = L
+            elif n == 1:
+                kls[f] = k1
+                self._h[f] = L + reuse.first_value(k1) * prio
+            else:
+                kls[f] = -1
+                self._h[f] = L + reuse.value(n, VALUE_CAP) * prio
             self._own(f, sid)
             if plan is not None and not leaf and not self._shared[f]:
                 self._set_plan(f, plan[0], plan[1])
@@ -434,9 +448,10 @@ class PlannedReplacer(Replacer):
         self._planned[f] = 0
         bid = self._id[f]
         if bid is not None:
-            self._reuse.remember(bid, self._hits[f], self._last_s[f])
+            self._reuse.remember(bid, self._hits[f], self._last_s[f], self._kls[f])
             self._id[f] = None
         self._hits[f] = 0
+        self._kls[f] = -1
         self._inc[f] += 1
         self._interest[f] = None
         sid = self._sess[f]
