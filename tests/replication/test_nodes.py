@@ -137,3 +137,18 @@ def test_daemon_leader_ships_pushes_and_survives_a_kill(netns, tmp_path, secret_
     with Peer(b.address, secret=SECRET) as pb:
         st = pb.status()["follower"]
     assert st["applied_lsn"] == f["confirmed_lsn"] and st["duplicates"] == 0
+
+
+@pytest.mark.parametrize("kind", TRANSPORTS)
+def test_bench_replication_reports_every_figure(kind):
+    # A smoke run of `kvdb bench replication` (2 blocks, 1 round): every figure is present and
+    # positive; no timing is asserted. The benchmark makes its own network namespace.
+    from kvdb.replication.bench import bench_replication
+
+    out = bench_replication(num_blocks=2, repeats=1, transport=kind)
+    figures = ["push_gbps", "push_tcp_inline_gbps", "push_sync_gbps", "ship_gbps"]
+    if kind == "mooncake":
+        figures += ["te_batch_write_gbps", "push_vs_te", "ship_vs_te"]
+        assert len(out["push_vs_te_per_round"]) == 1 and isinstance(out["push_goal_met"], bool)
+    assert (out["transport"], out["blocks"], out["block_bytes"]) == (kind, 2, 2 << 20)
+    assert all(out[f] > 0 for f in figures)
