@@ -141,6 +141,10 @@ class Db:
         codec: str = "raw",
         encryption_key_file: str | os.PathLike | None = None,
         device_free_fraction: float = 0.0,
+        peers: Sequence[str] = (),
+        replicas: Sequence[str] = (),
+        replication_secret_file: str | os.PathLike | None = None,
+        replication_transport: str | None = None,
     ) -> None:
         self.path = Path(path)
         self._state = "opening"
@@ -163,6 +167,14 @@ class Db:
             self._drop_lock()
             raise
         self._state = "open"
+        self._replicator = None
+        self._remote_hits = 0
+        if peers or replicas or replication_secret_file is not None:
+            try:
+                self._replicator = self._open_replication(peers, replicas, replication_secret_file, replication_transport)
+            except BaseException:
+                self.close()
+                raise
 
     # ------------------------------------------------------------------ open / close
 
@@ -272,6 +284,17 @@ class Db:
         elif encryption_key_file is not None:
             raise InvalidInput("encryption_key_file needs the disk tier (disk_bytes != 0)")
 
+    def _open_replication(self, peers, replicas, secret_file, transport):
+        if secret_file is None:
+            raise InvalidInput("peers= / replicas= need replication_secret_file= (a shared secret, the same on every node)")
+        for addr in [*peers, *replicas]:
+            if not isinstance(addr, str) or ":" not in addr:
+                raise InvalidInput(f"a peer address is 'host:port', got {addr!r}")
+        from kvdb.replication.replicator import Replicator  # the replication layer sits above the Db
+
+        return Replicator(self, replicas=list(replicas), peers=list(peers), secret_file=secret_file,
+                          transport=transport)
+
     def _open_cold(self, disk_bytes, codec, encryption_key_file):
         try:
             from kvdb.cold.store import ColdStore  # the disk tier (kvdb/cold/)
@@ -298,6 +321,9 @@ class Db:
         mover = getattr(self, "_mover", None)
         if mover is not None:
             mover.shutdown(wait=True)
+        replicator, self._replicator = getattr(self, "_replicator", None), None
+        if replicator is not None:
+            replicator.close()
         with self._lock:
             if self._state == "closed":
                 return
@@ -543,6 +569,11 @@ class Db:
             if not peek:
                 self._count_lookup(mem_hits, disk_hits, total < len(keys))
                 self.pool.touch(keys[:total], ctx)
+        if total < len(keys) and not peek and self._replicator is not None and self._replicator.peer_addrs:
+            # a local miss may be served by a peer: fetched blocks are stored here, then counted
+            now = self._replicator.fetch_missing(keys, local=total)
+            self._remote_hits += now - total
+            total = now
         return total
 
     def _count_lookup(self, mem_hits: list[int], disk_hits: int, missed: bool) -> None:
@@ -780,6 +811,31 @@ class Db:
         """The plan of a workflow spec as a tree (what ``kvdb explain`` prints)."""
         return self.planner.explain(workflow)
 
+    # ------------------------------------------------------------------ replication
+
+    def push(self, keys, peer: str, *, durability: str = "sync"):
+        """Send the stored blocks of ``keys`` to ``peer`` ("host:port" of a ``kvdb replicate
+        serve`` node or a Db with replication); returns when they are durable there."""
+        self._check()
+        if durability not in DURABILITIES:
+            raise InvalidInput(f"durability must be one of {DURABILITIES}, got {durability!r}")
+        return self._need_replicator().push(normalize_keys(keys), peer, durability=durability)
+
+    def sync_replicas(self, timeout_s: float = 30.0) -> int:
+        """Wait until every follower confirmed everything written so far; returns that LSN.
+        ReplicationError names the followers still behind after ``timeout_s``."""
+        self._check()
+        return self._need_replicator().sync_replicas(timeout_s)
+
+    def replication_status(self) -> dict:
+        self._check()
+        return self._need_replicator().status()
+
+    def _need_replicator(self):
+        if self._replicator is None:
+            raise InvalidInput("this Db has no replication: open it with replication_secret_file= (and peers= / replicas=)")
+        return self._replicator
+
     # ------------------------------------------------------------------ stats
 
     def stats(self) -> dict:
@@ -816,6 +872,7 @@ class Db:
                 disk["reads"] = self._reads[2]
                 out["tiers"]["disk"] = disk
             out["lookup_misses"] = self._lookup_misses
+            out["remote_hits"] = self._remote_hits
             out["sessions"] = self.planner.num_sessions
             out["hints"] = dict(self.planner.outcome_counts)
             return out

@@ -97,11 +97,13 @@ class Replicator:
         self.shipper.notify()
         return self.shipper.sync(timeout_s)
 
-    def fetch_missing(self, keys) -> int:
+    def fetch_missing(self, keys, local: int | None = None) -> int:
         """After a local miss: fetch the missing suffix of ``keys`` from the first peer that has
-        it, store it locally (durability none) and return how many leading keys are now local."""
+        it, store it locally (durability none) and return how many leading keys are now local.
+        ``local``: how many leading keys the caller already found locally (else a peek finds out)."""
         keys = list(keys)
-        local = self.db.match_prefix(keys)
+        if local is None:
+            local = self.db.match_prefix(keys, peek=True)
         if local == len(keys) or not self.peer_addrs:
             return local
         rest = keys[local:]
