@@ -25,7 +25,8 @@ for every class). Three things follow:
   0.23 for 30-40-block calls, 0.76 for 70-80). Outcomes are learned as they happen: a second
   access (resident or recalled from the history) is a success, falling out of the history
   unseen a failure; each class's rate is shrunk to the overall one by ``PRIOR``
-  pseudo-observations, and the counts halve every epoch.
+  pseudo-observations, and the counts halve every epoch. A history that never overflows
+  judges no failure, and every class then weighs 1.
 
 The reuse gap is observed from the past only: when a block (resident or in the history) is
 accessed again, the time since its previous access goes into a histogram of quarter-octave
