@@ -14,6 +14,7 @@ from kvdb.sim.trace import parse_trace
 
 
 def test_history_keeps_counts_of_evicted_blocks_fifo():
+    assert (ReuseEstimator(1000).capacity, ReuseEstimator(10 ** 6).capacity) == (32000, 1 << 18)
     est = ReuseEstimator(2, history_mult=2)  # 4 ids
     for i, bid in enumerate("abcde"):
         est.remember(bid, i + 1, float(i))

@@ -22,8 +22,8 @@ Each resident block is in one of two classes:
   always a partial block: the next turn's longer prompt changes its hash, so it is reused ~1 %
   of the time on the Mooncake traces vs ~40 % for its parent). L rises to the H of each
   victim, so an idle block ages out however valuable it was. kvdb.planner.policies.reuse
-  keeps access counts of evicted blocks in a history of 32 ids per frame (blocks return after
-  hundreds of calls) and sets alpha from the median observed reuse gap over Tc: 1 when the
+  keeps access counts of evicted blocks in a history of 32 ids per frame, at most 2^18
+  (blocks return after hundreds of calls) and sets alpha from the median observed reuse gap over Tc: 1 when the
   cache holds blocks about as long as they take to return, up to 3 (frequent blocks held
   long, one-shot ones barely admitted) when it is far smaller. A block seen once is worth
   its call length class's learned P(seen again) over the overall one instead of 1.

@@ -9,8 +9,8 @@ for every class). Three things follow:
 
 * the count must outlive residency: a block comes back after hundreds of calls, long after a
   small cache dropped it, so counts (and the time of the last access) are kept for evicted
-  blocks in a history of ``HISTORY_MULT * num_frames`` ids (FIFO; a ghost table of one
-  cache's worth forgets most blocks before they return);
+  blocks in a history of ``HISTORY_MULT * num_frames`` ids, at most ``HISTORY_MAX`` (FIFO;
+  a ghost table of one cache's worth forgets most blocks before they return);
 * how much more a frequent block is worth depends on the cache's size relative to the reuse
   gap. GreedyDual keeps a block about ``v / (rate of rise of L)``; if the cache's
   characteristic time ``Tc`` (age of its victims) is far below the typical reuse gap, keeping
@@ -41,6 +41,7 @@ from collections import OrderedDict
 from typing import Hashable
 
 HISTORY_MULT = 32  # history ids kept per frame of the tier
+HISTORY_MAX = 1 << 18  # ... and at most this many (~280 B an id: ~75 MB for a large pool)
 EPOCH = 4096  # observed reuses between re-estimates of alpha
 ALPHA_MAX = 3.0
 GAP_RATIO_KNEE = 1.5  # below this gap / Tc ratio the counts are weighed linearly
@@ -54,7 +55,7 @@ class ReuseEstimator:
     """Access counts that survive eviction, and the exponent that turns them into value."""
 
     def __init__(self, num_frames: int, history_mult: int = HISTORY_MULT) -> None:
-        self.capacity = max(1, history_mult * num_frames)
+        self.capacity = max(1, min(HISTORY_MAX, history_mult * num_frames))
         self._hist: OrderedDict[Hashable, tuple[int, float, int]] = OrderedDict()  # id -> (accesses, last access s, class)
         self._won = [0.0] * LEN_CLASSES  # first-seen blocks of each class seen again
         self._lost = [0.0] * LEN_CLASSES  # ... and forgotten without a second access
