@@ -813,6 +813,11 @@ class Db:
 
     # ------------------------------------------------------------------ replication
 
+    @property
+    def cold_store(self):
+        """The disk tier (kvdb.cold.store.ColdStore), None when it is off (disk_bytes=0)."""
+        return self._cold
+
     def push(self, keys, peer: str, *, durability: str = "sync"):
         """Send the stored blocks of ``keys`` to ``peer`` ("host:port" of a ``kvdb replicate
         serve`` node or a Db with replication); returns when they are durable there."""

@@ -76,6 +76,8 @@ from kvdb.format.record import (
     encode_delete,
     encode_meta,
     encode_put_fixed,
+    SEGMENT_HEADER_BYTES,
+    decode_segment_header,
     segment_name,
 )
 from kvdb.types import KEY_BYTES
@@ -117,6 +119,7 @@ class ColdStore:
         self.layout = layout
         self.page_bytes = layout.page_bytes
         self.itemsize = layout.itemsize
+        self._retention = None  # () -> lowest lsn a log reader (a replication slot) still needs
         self._max_record_bytes = PUT_PAYLOAD_OFFSET + self.page_bytes + 64 + (self.page_bytes >> 6)
         if disk_bytes is not None and disk_bytes < self._max_record_bytes:
             raise CapacityError(f"disk_bytes={disk_bytes} cannot hold one {self.page_bytes}-byte page; "
@@ -292,6 +295,28 @@ class ColdStore:
     @property
     def failed(self) -> bool:
         return self._failed is not None or self._writer._failed is not None
+
+    @property
+    def durable_lsn(self) -> int:
+        """The highest lsn whose record is fsynced (log readers may ship up to here)."""
+        return self._writer.durable_lsn
+
+    def set_retention(self, floor) -> None:
+        """``floor() -> lsn | None``: a segment holding a record above that lsn is never deleted
+        (replication slots: a follower that confirmed up to it still needs the rest)."""
+        self._retention = floor
+
+    def _last_lsn_of(self, segment_no: int, segments: list[int]) -> int | None:
+        """The lsn of the last record in a sealed segment: the next segment's first lsn - 1."""
+        later = [s for s in segments if s > segment_no]
+        if not later:
+            return None
+        path = os.path.join(self.wal_dir, segment_name(min(later)))
+        fd = self._fs.open_read(path)
+        try:
+            return decode_segment_header(self._fs.pread(fd, SEGMENT_HEADER_BYTES, 0)).first_lsn - 1
+        finally:
+            self._fs.close(fd)
 
     def _count(self, **deltas: int) -> None:
         with self._stats_lock:
@@ -554,9 +579,12 @@ class ColdStore:
             raise err from e
 
     def _drop_dead_segments(self, before: int) -> list[int]:
+        floor = self._retention() if self._retention is not None else None
         with self._writer.lock:
-            dead = [s for s in list_segments(self._fs, self.wal_dir)
-                    if s < before and self._seg_live.get(s, 0) <= 0]
+            segments = list_segments(self._fs, self.wal_dir)
+            dead = [s for s in segments if s < before and self._seg_live.get(s, 0) <= 0]
+            if floor is not None:  # kept for a log reader that has not confirmed them yet
+                dead = [s for s in dead if (self._last_lsn_of(s, segments) or floor + 1) <= floor]
             for s in dead:
                 self._seg_live.pop(s, None)
         for s in dead:

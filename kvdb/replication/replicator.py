@@ -7,8 +7,9 @@ A Db opened with ``peers=`` / ``replicas=`` owns one Replicator and forwards to 
     a local miss in match_prefix   -> Replicator.fetch_missing: asks the peers, stores the hits
     db.close()                     -> Replicator.close
 
-It uses only the Db's public API except ``log_source_for`` (below), which reads the cold
-tier's log directory and durable lsn until the Db exposes them.
+It uses only the Db's public API; ``log_source_for`` reads the log through ``db.cold_store``
+(its directory and durable lsn), and the replication slots become the cold tier's retention
+floor, so compaction keeps what a follower still needs.
 """
 
 from __future__ import annotations
@@ -19,17 +20,16 @@ import threading
 from kvdb.errors import InvalidInput, KvdbError, ReplicationError
 from kvdb.replication.channel import load_secret
 from kvdb.replication.peer import Peer, PushResult
-from kvdb.replication.shipping import LogShipper, SegmentLogSource
+from kvdb.replication.shipping import LogShipper, SegmentLogSource, retained_lsn
 from kvdb.replication.transport import Transport
 
 
 def log_source_for(db) -> SegmentLogSource:
     """The Db's log as a LogSource: its ``wal/`` segments, up to the writer's durable lsn (S3)."""
-    cold = getattr(db, "_cold", None)
+    cold = db.cold_store
     if cold is None:
         raise InvalidInput("replicas= needs the disk tier (open with disk_bytes != 0): followers are fed from the log")
-    writer = cold._writer
-    return SegmentLogSource(cold.wal_dir, durable=lambda: writer.durable_lsn)
+    return SegmentLogSource(cold.wal_dir, durable=lambda: cold.durable_lsn)
 
 
 class Replicator:
@@ -44,7 +44,11 @@ class Replicator:
         self._peers: dict[str, tuple[threading.Lock, Peer]] = {}
         self.shipper: LogShipper | None = None
         if replicas:
-            self.shipper = LogShipper(log_source_for(db), list(replicas), self.secret,
+            state_dir = db.path / "replication"
+            # replication slots: compaction keeps every segment a follower still needs (S4)
+            log_source = log_source_for(db)  # checks that the Db has a log
+            db.cold_store.set_retention(lambda: retained_lsn(state_dir))
+            self.shipper = LogShipper(log_source, list(replicas), self.secret,
                                       state_dir=db.path / "replication", node=self.node,
                                       transport=transport, page_bytes=db.layout.page_bytes).start()
 
