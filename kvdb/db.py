@@ -64,6 +64,7 @@ from kvdb.planner import Planner, make_policy
 from kvdb.planner.hints import HintOutcome
 from kvdb.planner.policies import REPLAY_ONLY
 from kvdb.types import BlockKey
+from kvdb.wal.fs import write_file_atomic
 
 DURABILITIES = ("none", "group", "sync")
 KEY_SECRET_NAME = "KEY_SECRET"
@@ -206,12 +207,7 @@ class Db:
             return p.read_bytes()
         except FileNotFoundError:
             secret = secrets.token_bytes(32)
-            fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            try:
-                os.write(fd, secret)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            write_file_atomic(p, secret, mode=0o600)  # we hold the directory lock: no race
             return secret
 
     def _open(self, layout, model_id, host_bytes, device_bytes, device, replacer, key_secret, key_algo,

@@ -18,10 +18,10 @@ by readers (forward compatible); a different ``version`` is refused.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 from kvdb.errors import CorruptionError, InvalidInput
+from kvdb.wal.fs import write_file_atomic
 
 MANIFEST_NAME = "MANIFEST.json"
 FORMAT = "kvdb-manifest"
@@ -47,19 +47,6 @@ def read_manifest(dir_path: Path) -> dict | None:
 
 
 def write_manifest(dir_path: Path, fields: dict) -> None:
-    d = Path(dir_path)
     m = {"format": FORMAT, "version": VERSION, **fields}
     data = json.dumps(m, sort_keys=True, separators=(",", ":")).encode("utf-8") + b"\n"
-    tmp = d / (MANIFEST_NAME + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        os.write(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, d / MANIFEST_NAME)
-    dfd = os.open(d, os.O_RDONLY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
+    write_file_atomic(Path(dir_path) / MANIFEST_NAME, data)

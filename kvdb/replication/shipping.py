@@ -67,6 +67,7 @@ from kvdb.format.record import (
 from kvdb.replication.channel import Channel, connect
 from kvdb.replication.protocol import ErrorCode, Message, MsgType
 from kvdb.replication.transport import Region, Transport, get_transport
+from kvdb.wal.fs import write_file_atomic
 from kvdb.wal.reader import map_file, scan_segment
 
 log = logging.getLogger("kvdb.replication")
@@ -82,19 +83,7 @@ LOG_ID_NAME = "log_id"
 
 def _write_atomic(path: Path, data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        os.write(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
-    dfd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
+    write_file_atomic(path, data)
 
 
 def _log_id(state_dir) -> str | None:

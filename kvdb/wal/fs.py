@@ -235,3 +235,25 @@ class FaultFs(OsFs):
                     f.truncate(keep)
                 kept[path] = keep
         return kept
+
+
+def write_file_atomic(path, data: bytes, mode: int = 0o644) -> None:
+    """Replace ``path`` with ``data`` so that a crash leaves the old or the new whole file:
+    write a temporary beside it, fsync, rename over, fsync the directory. For small state files
+    (manifest, key secret, replication slots), not for the log."""
+    path = os.fspath(path)
+    tmp = path + ".tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    dfd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
