@@ -178,7 +178,52 @@ class LruReplacer(Replacer):
         return out
 
 
-class ArcReplacer(Replacer):
+class PinSetReplacer(Replacer):
+    """Base of policies that keep pinned frames in their own lists and skip them when they
+    choose a victim: the pins are a set."""
+
+    def __init__(self, num_frames: int) -> None:
+        super().__init__(num_frames)
+        self._pinned: set[int] = set()
+
+    def set_evictable(self, frame: int, evictable: bool) -> None:
+        self._check(frame)
+        if evictable:
+            self._pinned.discard(frame)
+        else:
+            self._pinned.add(frame)
+
+
+class LruOrderedReplacer(PinSetReplacer):
+    """Base of policies that fall back to recency: ``_lru`` holds every known frame, least
+    recent first. Subclasses keep their own groupings and extend ``_take`` to drop a frame
+    from them too."""
+
+    def __init__(self, num_frames: int) -> None:
+        super().__init__(num_frames)
+        self._lru: OrderedDict[int, None] = OrderedDict()  # first = least recent
+
+    def _take(self, f: int) -> int:
+        del self._lru[f]
+        return f
+
+    def _evict_lru(self) -> int | None:
+        for f in self._lru:
+            if f not in self._pinned:
+                return self._take(f)
+        return None
+
+    def remove(self, frame: int) -> None:
+        self._check(frame)
+        self._pinned.discard(frame)
+        if frame in self._lru:
+            self._take(frame)
+
+    def num_evictable(self) -> int:
+        return sum(1 for f in self._lru if f not in self._pinned)
+
+
+class ArcReplacer(PinSetReplacer):
     """Adaptive Replacement Cache (Megiddo & Modha, FAST'03) over frames.
 
     T1 holds frames seen once recently, T2 frames seen at least twice; ghost lists B1 and B2
@@ -196,7 +241,6 @@ class ArcReplacer(Replacer):
         self._t2: OrderedDict[int, Hashable] = OrderedDict()
         self._b1: OrderedDict[Hashable, None] = OrderedDict()
         self._b2: OrderedDict[Hashable, None] = OrderedDict()
-        self._pinned: set[int] = set()
         self._p = 0.0
 
     def record_access(self, frames, ids=None, ctx=None) -> None:
@@ -244,13 +288,6 @@ class ArcReplacer(Replacer):
                         ghosts.popitem(last=False)
                 return f
         return None
-
-    def set_evictable(self, frame: int, evictable: bool) -> None:
-        self._check(frame)
-        if evictable:
-            self._pinned.discard(frame)
-        else:
-            self._pinned.add(frame)
 
     def remove(self, frame: int) -> None:
         self._check(frame)

@@ -14,20 +14,18 @@ import math
 from collections import OrderedDict
 from typing import Any
 
-from kvdb.buffer_pool.replacer import Replacer
+from kvdb.buffer_pool.replacer import LruOrderedReplacer
 from kvdb.planner.events import CallFinished, CallStarted, SessionBegan, SessionEnded
 from kvdb.planner.workflow import Workflow
 
 Group = tuple  # (session_id, agent_id)
 
 
-class KvflowReplacer(Replacer):
+class KvflowReplacer(LruOrderedReplacer):
     name = "kvflow"
 
     def __init__(self, num_frames: int) -> None:
         super().__init__(num_frames)
-        self._lru: OrderedDict[int, None] = OrderedDict()  # first = least recent
-        self._pinned: set[int] = set()
         self._group_of: dict[int, Group] = {}
         self._groups: dict[Group, OrderedDict[int, None]] = {}
         self._workflows: dict[str, Workflow] = {}
@@ -103,23 +101,4 @@ class KvflowReplacer(Replacer):
             for f in grp:
                 if f not in self._pinned:
                     return self._take(f)
-        for f in self._lru:
-            if f not in self._pinned:
-                return self._take(f)
-        return None
-
-    def set_evictable(self, frame: int, evictable: bool) -> None:
-        self._check(frame)
-        if evictable:
-            self._pinned.discard(frame)
-        else:
-            self._pinned.add(frame)
-
-    def remove(self, frame: int) -> None:
-        self._check(frame)
-        self._pinned.discard(frame)
-        if frame in self._lru:
-            self._take(frame)
-
-    def num_evictable(self) -> int:
-        return sum(1 for f in self._lru if f not in self._pinned)
+        return self._evict_lru()

@@ -15,19 +15,17 @@ import heapq
 from collections import OrderedDict
 from typing import Any
 
-from kvdb.buffer_pool.replacer import Replacer
+from kvdb.buffer_pool.replacer import LruOrderedReplacer
 from kvdb.planner.events import CallStarted, HintGiven, SessionEnded
 
 RELOAD_LEAD_S = 1.0
 
 
-class TokencakeReplacer(Replacer):
+class TokencakeReplacer(LruOrderedReplacer):
     name = "tokencake"
 
     def __init__(self, num_frames: int) -> None:
         super().__init__(num_frames)
-        self._lru: OrderedDict[int, None] = OrderedDict()
-        self._pinned: set[int] = set()
         self._owner: dict[int, str | None] = {}
         self._shared: set[int] = set()
         self._private: dict[str, OrderedDict[int, None]] = {}
@@ -125,26 +123,7 @@ class TokencakeReplacer(Replacer):
                 if f not in self._pinned:
                     return self._take(f)
             break
-        for f in self._lru:
-            if f not in self._pinned:
-                return self._take(f)
-        return None
-
-    def set_evictable(self, frame: int, evictable: bool) -> None:
-        self._check(frame)
-        if evictable:
-            self._pinned.discard(frame)
-        else:
-            self._pinned.add(frame)
-
-    def remove(self, frame: int) -> None:
-        self._check(frame)
-        self._pinned.discard(frame)
-        if frame in self._lru:
-            self._take(frame)
-
-    def num_evictable(self) -> int:
-        return sum(1 for f in self._lru if f not in self._pinned)
+        return self._evict_lru()
 
     def predicted_return(self, session_id: str) -> float | None:
         w = self._waiting.get(session_id)
