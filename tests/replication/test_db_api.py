@@ -8,19 +8,10 @@ import torch
 
 import kvdb
 from kvdb.errors import InvalidInput
-from kvdb.replication import NodeServer, Peer
+from kvdb.replication import Peer
 
 from .conftest import LAYOUT, SECRET, TRANSPORTS, make_blocks, make_keys
-
-
-@pytest.fixture
-def server(netns, tmp_path, request):
-    kind = getattr(request, "param", "tcp")
-    db = kvdb.open(tmp_path / "peer", layout=LAYOUT, model_id="m", host_bytes=64 * LAYOUT.page_bytes, disk_bytes=0)
-    srv = NodeServer(db, "127.0.0.1:0", SECRET, node="decode-0", transport=kind).start()
-    yield srv
-    srv.stop()
-    db.close()
+from .test_push import server  # noqa: F401 - the in-process node fixture
 
 
 def _open(path, **kw):
