@@ -8,7 +8,9 @@ How a put becomes durable and indexed
     1. payloads are encoded (codec, seal) outside any lock;
     2. under ``writer.lock``: the records are appended (lsn order), their index updates are
        queued (``_queue``, lsn order) and published to readers in ``_pending`` and ``_live``;
-    3. ``none`` returns now; ``group`` joins a group fsync; ``sync`` fsyncs alone;
+    3. ``none`` returns now; ``sync`` fsyncs alone; ``group`` puts do steps 2-3 through the
+       commit queue (``_put_group``): the writer at its front appends every queued batch with
+       one writev, fsyncs once for all and wakes the others (LevelDB's writer queue);
     4. whoever finishes an fsync applies the queue's durable prefix to RocksDB in one batch
        (``_apply``) and drops those keys from ``_pending``. A background flusher fsyncs
        ``none`` writes within ``flush_interval_s`` and checkpoints every ``checkpoint_bytes``.
@@ -31,6 +33,7 @@ Invariants
 Locks (in the order they may nest)
     ``_ckpt_lock``  one checkpoint or compaction at a time.
     ``_apply_lock`` serialises applying the queue to RocksDB.
+    ``_gq_mu``      the group commit queue (nothing blocks while holding it).
     ``writer.lock`` appends, ``_queue`` order, ``_pending``, ``_live``, ``_seg_live``.
     ``_fd_lock``    the read fd cache ``_fds``.
     ``_stats_lock`` the read-side counters (hits, misses, corruptions, ...); puts, deletes and
@@ -86,6 +89,8 @@ from kvdb.wal.recovery import list_segments, recover
 from kvdb.wal.writer import LogWriter
 from kvdb.cold.codec import Sealer, aad, decode_page, encode_page, read_key_file
 from kvdb.cold.index import Index
+
+_allocate_lock = threading.Lock
 
 DURABILITIES = ("none", "group", "sync")
 DEFAULT_SEGMENT_BYTES = 256 << 20
@@ -149,6 +154,14 @@ class ColdStore:
         self._live_bytes = 0
         self._counters = dict.fromkeys(PERSISTED_COUNTERS, 0)
         self._counters.update(checkpoints=0, read_errors=0)
+        self._gq_mu = threading.Lock()  # the group commit queue: _gq, _gq_busy
+        self._gq: list[list] = []  # [items, wake-up lock, leads, error] of waiting group puts
+        self._gq_busy = False  # a writer is leading the queue (or the lead is being handed on)
+        self._gq_expect = 1  # size of the last committed batch
+        self._gq_want = 0  # the leader waits until this many puts are queued ...
+        self._gq_gate = _allocate_lock()  # ... on this lock (held = closed)
+        self._gq_gate.acquire()
+        self.max_gather_s = 0.0005
         try:
             self._fs.makedirs(self.wal_dir)
             self._fs.makedirs(self.index_dir)
@@ -354,14 +367,83 @@ class ColdStore:
             raise InvalidInput("a put batch names the same key twice")
         if not keys:
             return
-        token = self._writer.arrive()
-        try:
-            last = self._encode_and_append(keys, pages, positions, namespace_id)
-        finally:
-            self._writer.arrived(token)
+        items = self._encode(keys, pages, positions, namespace_id)
+        if durability == "group":
+            self._put_group(items)
+            return
+        last = self._append_puts(items)
         self._make_durable(last, durability)
 
-    def _encode_and_append(self, keys, pages, positions, namespace_id: int) -> int:
+    def _put_group(self, items: list) -> None:
+        """A ``group`` put joins the commit queue (LevelDB's writer queue): the writer at its
+        front appends every queued batch, fsyncs once for all of them and wakes their
+        writers; the others neither take ``writer.lock`` nor write, they only sleep once.
+        While one leader fsyncs the next batches queue up, so each fsync covers the writers
+        that arrived during the one before."""
+        req = [items, _allocate_lock(), False, None]  # batch, wake-up lock, lead, error
+        req[1].acquire()
+        with self._gq_mu:
+            self._gq.append(req)
+            lead = not self._gq_busy
+            self._gq_busy = True
+            if self._gq_want and len(self._gq) >= self._gq_want:
+                self._gq_want = 0
+                self._gq_gate.release()  # the leader was waiting for this batch
+        if not lead:
+            req[1].acquire()  # released when the batch is durable, failed, or the lead is ours
+            if not req[2]:
+                if req[3] is not None:
+                    self._check()
+                    raise req[3]
+                return
+        self._lead_group(req)
+
+    def _lead_group(self, mine: list) -> None:
+        """Commit the queue in one batch, then pass the lead to the queue's front (a leader
+        that went on committing would starve its own caller)."""
+        self._gather(self._gq_expect)
+        with self._gq_mu:
+            batch, self._gq = self._gq, []
+        err: BaseException | None = None
+        try:
+            last = self._append_batches([req[0] for req in batch])
+            self._make_durable(last, "group")
+        except BaseException as e:
+            err = e
+        with self._gq_mu:
+            self._gq_expect = len(batch)
+            heir = None
+            if err is not None:
+                batch.extend(self._gq)  # they fail the same way
+                self._gq = []
+            if self._gq:
+                heir = self._gq[0]
+                heir[2] = True  # _gq_busy stays True: the lead passes straight on
+            else:
+                self._gq_busy = False
+        for req in batch:
+            if req is not mine:
+                req[3] = err
+                req[1].release()
+        if heir is not None:
+            heir[1].release()
+        if err is not None:
+            raise err
+
+    def _gather(self, n: int) -> None:
+        """Leader: wait (at most ``max_gather_s``) until ``n`` puts are queued -- as many as
+        the last batch had, whose writers are on their way back -- so that one fsync covers
+        them all. No spinning: a timed lock wait that the n-th arrival opens."""
+        with self._gq_mu:
+            if len(self._gq) >= n:
+                return
+            self._gq_want = n
+        self._gq_gate.acquire(timeout=self.max_gather_s)
+        with self._gq_mu:
+            self._gq_want = 0
+            self._gq_gate.acquire(blocking=False)  # closed again, whether or not it opened
+
+    def _encode(self, keys, pages, positions, namespace_id: int) -> list:
         items = []
         for i, key in enumerate(keys):
             pos = NO_POSITION if positions is None or positions[i] is None else int(positions[i])
@@ -372,7 +454,7 @@ class ColdStore:
                 flags |= FLAG_SEALED
             fixed = encode_put_fixed(key, namespace_id, pos, used, flags, self.page_bytes)
             items.append((key, fixed, payload))
-        return self._append_puts(items)
+        return items
 
     def _append_puts(self, items: list) -> int:
         w = self._writer
@@ -393,20 +475,45 @@ class ColdStore:
             if evict:
                 self._note_delete(locs[0].lsn, evict)
                 locs = locs[1:]
-            for (key, fixed, _payload), loc in zip(items, locs):
-                _, ns, pos, codec, flags, _, raw = PUT_FIXED.unpack(fixed)
-                e = iv.BlockEntry(loc.segment_no, loc.offset, loc.record_bytes, loc.crc, loc.lsn, pos, ns,
-                                  codec, flags, raw)
-                self._queue.append((loc.lsn, iv.block_key(key), iv.encode_entry(e), key))
-                self._pending[key] = (loc.lsn, e)
-                self._set_live(key, loc.lsn, loc.record_bytes, loc.segment_no)
-            self._ckpt_log_bytes += sum(loc.record_bytes for loc in locs)
-            # writer-side counters change only under writer.lock (no second lock on the hot path)
-            c = self._counters
-            c["puts"] += len(items)
+            self._note_puts(items, locs)
             if evict:
-                c["evictions"] += len(evict)
+                self._counters["evictions"] += len(evict)
             return w.next_lsn - 1
+
+    def _append_batches(self, batches: list[list]) -> int:
+        """Append several put batches (the group commit queue) in order; one writev for all
+        of them unless eviction is on (then each batch is planned on its own, as alone)."""
+        w = self._writer
+        with w.lock:
+            if self.disk_bytes is not None or len(batches) == 1:
+                for items in batches:
+                    last = self._append_puts(items)
+                return last
+            self._check()
+            items = [it for b in batches for it in b]
+            try:
+                locs = w.append([(RecordType.PUT_BLOCK, [fixed, payload]) for _k, fixed, payload in items])
+            except StorageIOError as e:
+                self._fail(e)
+                raise
+            self._note_puts(items, locs)
+            return w.next_lsn - 1
+
+    def _note_puts(self, items: list, locs: list) -> None:
+        """Caller holds writer.lock: queue the index updates of appended puts, publish them."""
+        queue, pending, block_prefix = self._queue, self._pending, iv.BLOCK_PREFIX
+        nbytes = 0
+        for (key, fixed, _payload), loc in zip(items, locs):
+            _, ns, pos, codec, flags, _, raw = PUT_FIXED.unpack(fixed)
+            seg, lsn, rbytes = loc.segment_no, loc.lsn, loc.record_bytes
+            e = iv.BlockEntry(seg, loc.offset, rbytes, loc.crc, lsn, pos, ns, codec, flags, raw)
+            queue.append((lsn, block_prefix + key, iv.encode_entry(e), key))
+            pending[key] = (lsn, e)
+            self._set_live(key, lsn, rbytes, seg)
+            nbytes += rbytes
+        self._ckpt_log_bytes += nbytes
+        # writer-side counters change only under writer.lock (no second lock on the hot path)
+        self._counters["puts"] += len(items)
 
     def _plan_evictions(self, items: list) -> tuple[list, list[bytes]]:
         """Caller holds writer.lock. Keeps live bytes <= disk_bytes: evicts oldest live blocks,

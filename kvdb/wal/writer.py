@@ -8,10 +8,12 @@ States of the writer::
 
 Group commit (the ``group`` durability mode). A writer appends under ``lock`` and then calls
 ``sync_to(its_lsn)``. If no fsync is running it becomes the leader: it notes the last lsn
-written so far, fsyncs, publishes ``durable_lsn`` and wakes the others. If one is running it
-waits; when that fsync ends either it already covered the waiter's lsn (done, no fsync of its
-own) or the waiter becomes the next leader and covers everyone who appended meanwhile. So N
-concurrent writers share about one fsync per fsync-time, and nobody waits for a timer.
+written so far, fsyncs and publishes ``durable_lsn``. If one is running it queues itself as a
+waiter (its own wake-up lock: no notify_all herd, no spinning) and sleeps. After each fsync the
+leader wakes exactly the waiters it covered; if others appended meanwhile it fsyncs again for
+them (up to ``max_lead_rounds`` times, then it hands the lead to one of them). So N concurrent
+writers share about one fsync per fsync-time, and nobody waits for a timer. (The cold store
+batches ``group`` puts in front of this, kvdb/cold/store.py ``_put_group``.)
 ``sync_to(lsn, own=True)`` (the ``sync`` mode) fsyncs at once without joining a group.
 
 Invariants
@@ -24,23 +26,23 @@ Invariants
 Locks
     ``lock``   (re-entrant) guards the active segment, its append offset and next_lsn; the
                store holds it while it queues index updates, so queue order == lsn order.
-    ``_cond``  guards durable_lsn, _syncing and _failed.
-    Nesting: ``lock`` is never taken while ``_cond`` is held; the leader releases ``_cond``
+    ``_mu``    guards durable_lsn, _syncing, _waiters and _failed.
+    Nesting: ``lock`` is never taken while ``_mu`` is held; the leader releases ``_mu``
     before it captures the segment under ``lock``, and nobody may call ``sync_to`` while
-    holding ``lock`` (a follower waiting there would block the leader).
+    holding ``lock`` (a waiter sleeping there would block the leader).
 """
 
 from __future__ import annotations
 
-import collections
 import os
 import threading
-import time
 from dataclasses import dataclass
 
 from kvdb.errors import DbFailedError, StorageIOError
 from kvdb.format.record import SEGMENT_HEADER_BYTES, buffer_bytes, encode_header, encode_segment_header, segment_name
 from kvdb.wal.fs import OsFs
+
+_allocate_lock = threading.Lock
 
 
 @dataclass(frozen=True)
@@ -72,19 +74,17 @@ class LogWriter:
         self.segment_bytes = segment_bytes
         self.on_durable = on_durable  # called with the new durable lsn after each fsync
         self.lock = threading.RLock()
-        self._cond = threading.Condition(threading.Lock())
-        self._syncing = False
+        self._mu = threading.Lock()  # guards durable_lsn, _syncing, _waiters, _failed
+        self._syncing = False  # a leader is fsyncing (or the lead is being handed over)
+        self._waiters: list[list] = []  # [lsn, lock, leads] of writers waiting for a leader
         self._failed: BaseException | None = None
         self.next_lsn = next_lsn
         self.durable_lsn = next_lsn - 1
         self.num_fsyncs = 0
         self.closed = False
-        # writers between "about to append" and "appended" (``arriving()``); a group leader
-        # waits up to ``max_gather_s`` for them so that one fsync covers them too
-        # one entry per writer on its way (deque append/pop are atomic in CPython: no lock on
-        # the hot path)
-        self._arriving: collections.deque = collections.deque()
-        self.max_gather_s = 0.0005
+        # fsyncs one leader does back to back before it hands the lead on (its own caller
+        # waits meanwhile; the others are woken after each fsync that covers them)
+        self.max_lead_rounds = 8
         try:
             if offset == 0:
                 self._active = self._create(segment_no)
@@ -110,8 +110,8 @@ class LogWriter:
         old = self._active
         self.fs.sync(old.fd, old.path)  # W3
         self.num_fsyncs += 1
-        with self._cond:
-            self.durable_lsn = max(self.durable_lsn, self.next_lsn - 1)
+        with self._mu:
+            self._publish(self.next_lsn - 1)
         self._active = self._create(old.segment_no + 1)
         old.retired = True
         if old.pins == 0:
@@ -134,10 +134,12 @@ class LogWriter:
             raise DbFailedError("the log is closed")
 
     def fail(self, exc: BaseException) -> None:
-        with self._cond:
+        with self._mu:
             if self._failed is None:
                 self._failed = exc
-            self._cond.notify_all()
+            waiters, self._waiters = self._waiters, []
+        for w in waiters:
+            w[1].release()  # they see the failure
 
     # -- appends
 
@@ -178,79 +180,117 @@ class LogWriter:
 
     # -- durability
 
-    def arrive(self) -> object:
-        """The store announces a writer on its way to ``append``; returns its token."""
-        token = object()
-        self._arriving.append(token)
-        return token
+    def _publish(self, target: int) -> None:
+        """Caller holds ``_mu``: ``durable_lsn`` grows to ``target`` (W2)."""
+        if target > self.durable_lsn:
+            self.durable_lsn = target
 
-    def arrived(self, token: object) -> None:
-        """The writer holding ``token`` has appended (or given up)."""
-        self._arriving.remove(token)
+    def _fsync_active(self) -> int:
+        """fsync the active segment; returns the last lsn it covers (W4: the fd is pinned)."""
+        with self.lock:
+            self.check()
+            seg = self._active
+            seg.pins += 1
+            target = self.next_lsn - 1
+        try:
+            self.fs.sync(seg.fd, seg.path)
+        finally:
+            with self.lock:
+                seg.pins -= 1
+                if seg.retired and seg.pins == 0:
+                    self.fs.close(seg.fd)
+        return target
 
-    def _gather(self) -> None:
-        """Leader: wait (at most max_gather_s) for the writers that were already on their way
-        when it took the lead -- not for later ones, or a busy log would always wait."""
-        snapshot = list(self._arriving)
-        if not snapshot:
-            return
-        deadline = time.perf_counter() + self.max_gather_s
-        arriving = self._arriving
-        while time.perf_counter() < deadline and any(t in arriving for t in snapshot):
-            time.sleep(0)
+    def _raise_failed(self, e: BaseException) -> None:
+        err = e
+        if isinstance(e, OSError):
+            err = StorageIOError(f"fsync of the log in {self.wal_dir} failed: {e}")
+        self.fail(err)
+        if err is e:
+            raise
+        raise err from e
 
     def sync_to(self, lsn: int, own: bool = False) -> int:
         """Return once every record up to ``lsn`` is fsynced (W2). ``own``: fsync now, alone."""
-        if not own:
-            with self._cond:
-                while True:
-                    if self._failed is not None:
-                        self.check()
-                    if self.durable_lsn >= lsn:
-                        return self.durable_lsn
-                    if not self._syncing:
-                        self._syncing = True
-                        break
-                    self._cond.wait()
-        if not own:
-            self._gather()
-        try:
-            with self.lock:
-                self.check()
-                seg = self._active
-                seg.pins += 1
-                target = self.next_lsn - 1
+        if own:
             try:
-                self.fs.sync(seg.fd, seg.path)
-            finally:
-                with self.lock:
-                    seg.pins -= 1
-                    if seg.retired and seg.pins == 0:
-                        self.fs.close(seg.fd)
-        except OSError as e:
-            err = StorageIOError(f"fsync of the log in {self.wal_dir} failed: {e}")
-            self.fail(err)
-            if not own:
-                with self._cond:
+                target = self._fsync_active()
+            except BaseException as e:
+                self._raise_failed(e)
+            with self._mu:
+                self.num_fsyncs += 1
+                self._publish(target)
+            if self.on_durable is not None:
+                self.on_durable(target)
+            return target
+        mu = self._mu
+        while True:
+            mu.acquire()
+            if self._failed is not None:
+                mu.release()
+                self.check()
+            if self.durable_lsn >= lsn:
+                mu.release()
+                return self.durable_lsn
+            if not self._syncing:
+                self._syncing = True
+                mu.release()
+                return self._lead()
+            waiter = [lsn, _allocate_lock(), False]  # lsn, wake-up lock, "you lead now"
+            waiter[1].acquire()
+            self._waiters.append(waiter)
+            mu.release()
+            waiter[1].acquire()  # released by the leader (covered, or leadership handed over)
+            if waiter[2]:
+                return self._lead()
+
+    def _lead(self) -> int:
+        """The group leader: fsync, wake exactly the waiters it covered, and go on with the
+        ones that appended during that fsync (at most ``max_lead_rounds`` fsyncs, then hand
+        the lead to one of them). Index updates are applied once, at the end."""
+        mu = self._mu
+        rounds = 0
+        target = self.durable_lsn
+        while True:
+            try:
+                if self.next_lsn - 1 > self.durable_lsn:
+                    target = self._fsync_active()
+                    rounds += 1
+            except BaseException as e:
+                with mu:
                     self._syncing = False
-                    self._cond.notify_all()
-            raise err from e
-        except BaseException as e:
-            self.fail(e)
-            if not own:
-                with self._cond:
+                    waiters, self._waiters = self._waiters, []
+                for w in waiters:
+                    w[1].release()  # they see the failure
+                self._raise_failed(e)
+            mu.acquire()
+            if rounds:
+                self.num_fsyncs += 1
+            self._publish(target)
+            durable = self.durable_lsn
+            woken = [w for w in self._waiters if w[0] <= durable]
+            if woken:
+                self._waiters = rest = [w for w in self._waiters if w[0] > durable]
+            else:
+                rest = self._waiters
+            heir = None
+            again = bool(rest) and rounds < self.max_lead_rounds
+            if not again:
+                if rest:
+                    heir = rest.pop(0)
+                    heir[2] = True  # _syncing stays True: the lead passes straight on
+                else:
                     self._syncing = False
-                    self._cond.notify_all()
-            raise
-        with self._cond:
-            self.num_fsyncs += 1
-            self.durable_lsn = max(self.durable_lsn, target)
-            if not own:
-                self._syncing = False
-            self._cond.notify_all()
-        if self.on_durable is not None:
-            self.on_durable(target)
-        return target
+            mu.release()
+            for w in woken:
+                w[1].release()
+            if heir is not None:
+                heir[1].release()
+            if not again:
+                break
+        if self.on_durable is not None and rounds:
+            self.on_durable(durable)
+        return durable
 
     def close(self) -> None:
         with self.lock:

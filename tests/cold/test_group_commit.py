@@ -1,0 +1,128 @@
+"""The group commit queue of ColdStore (``group`` puts from many threads share one append and
+one fsync). The file layer's fsync is held open by a fault-injecting OsFs, so which writers
+share which fsync is decided by the test, not by thread timing."""
+
+from __future__ import annotations
+
+import errno
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from kvdb.cold.store import ColdStore
+from kvdb.errors import DbFailedError, StorageIOError
+from kvdb.wal.fs import OsFs
+
+from cold_fixtures import TINY, key, pages_for
+
+FOLLOWERS = 7
+
+
+class HeldSyncFs(OsFs):
+    """OsFs whose next fsync, once ``holding`` is set, waits for ``release``; with
+    ``fail_after_hold`` the fsync after that one fails with EIO (a fake only to inject faults)."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.entered = threading.Event()
+        self.holding = False
+        self.fail_after_hold = False
+        self._fail_next = False
+        self.syncs = 0
+
+    def sync(self, fd: int, path: str) -> None:
+        self.syncs += 1
+        if self.holding:
+            self.holding = False
+            self.entered.set()
+            assert self.release.wait(30)
+            super().sync(fd, path)
+            self._fail_next = self.fail_after_hold
+            return
+        if self._fail_next:
+            self._fail_next = False
+            raise OSError(errno.EIO, "injected fsync error")
+        super().sync(fd, path)
+
+
+def _wait_for(cond, what: str) -> None:
+    deadline = time.monotonic() + 30
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.001)
+
+
+def _run_group(store: ColdStore, fs: HeldSyncFs, fail_second: bool) -> tuple[list, list]:
+    """Thread 0 leads and is held in its fsync while 7 more group puts queue behind it; then
+    the fsync is let go. Returns (outcome per thread, keys per thread)."""
+    keys = [[key(100 + 10 * t + i) for i in range(2)] for t in range(1 + FOLLOWERS)]
+    outcome: list = [None] * (1 + FOLLOWERS)
+
+    def put(t: int) -> None:
+        try:
+            store.put(keys[t], pages_for(keys[t]), None, "group")
+            outcome[t] = "ok"
+        except DbFailedError:
+            outcome[t] = "failed"
+        except StorageIOError:
+            outcome[t] = "io error"
+
+    fs.holding = True
+    fs.fail_after_hold = fail_second
+    first = threading.Thread(target=put, args=(0,))
+    first.start()
+    assert fs.entered.wait(30)
+    others = [threading.Thread(target=put, args=(t,)) for t in range(1, 1 + FOLLOWERS)]
+    for th in others:
+        th.start()
+    _wait_for(lambda: len(store._gq) == FOLLOWERS, "the queued group puts")
+    fs.release.set()
+    for th in [first, *others]:
+        th.join(30)
+    return outcome, keys
+
+
+def test_writers_queued_behind_an_fsync_share_the_next_append_and_fsync(tmp_path):
+    # Scenario: one group put is in its fsync; 7 more (2 pages each) queue meanwhile. When the
+    # fsync ends, all 7 are committed by one fsync, and every page reads back after a reopen.
+    fs = HeldSyncFs()
+    store = ColdStore.open(tmp_path / "s", TINY, fs=fs, flush_interval_s=None)
+    try:
+        before_syncs = fs.syncs
+        before = store.stats()["fsyncs"]
+        outcome, keys = _run_group(store, fs, fail_second=False)
+        assert outcome == ["ok"] * (1 + FOLLOWERS)
+        assert store.stats()["fsyncs"] - before == 2
+        assert fs.syncs - before_syncs == 2
+        assert store.stats()["puts"] == 2 * (1 + FOLLOWERS)
+    finally:
+        store.close()
+    with ColdStore.open(tmp_path / "s", TINY, flush_interval_s=None) as store:
+        all_keys = [k for ks in keys for k in ks]
+        out = np.zeros((len(all_keys), TINY.page_bytes), np.uint8)
+        assert store.get_into(all_keys, out) == [True] * len(all_keys)
+        assert (out == pages_for(all_keys)).all()
+
+
+def test_a_failed_group_fsync_fails_every_queued_writer_and_keeps_the_acknowledged(tmp_path):
+    # Scenario: as above, but the fsync that covers the 7 queued puts fails with EIO: the one
+    # leading them gets the StorageIOError, the 6 others DbFailedError, the store is failed,
+    # and the first put (acknowledged before the error) survives a reopen.
+    fs = HeldSyncFs()
+    store = ColdStore.open(tmp_path / "s", TINY, fs=fs, flush_interval_s=None)
+    try:
+        outcome, keys = _run_group(store, fs, fail_second=True)
+        assert outcome[0] == "ok"
+        assert sorted(outcome[1:]) == ["failed"] * (FOLLOWERS - 1) + ["io error"]
+        assert store.failed
+        with pytest.raises(DbFailedError):
+            store.put([key(1)], pages_for([key(1)]), None, "group")
+    finally:
+        store.close()
+    with ColdStore.open(tmp_path / "s", TINY, flush_interval_s=None) as store:
+        out = np.zeros((2, TINY.page_bytes), np.uint8)
+        assert store.get_into(keys[0], out) == [True, True]
+        assert (out == pages_for(keys[0])).all()
+        assert store.verify().ok
