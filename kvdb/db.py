@@ -117,6 +117,39 @@ class PinnedPages:
         self.release()
 
 
+class ReservedFrames:
+    """Host arena frames lent out by ``Db.reserve_frames``: bytes are written into them in place
+    (e.g. by the Transfer Engine), then ``Db.commit_frames`` makes them stored pages or
+    ``Db.release_frames`` hands them back. Until then no reader sees them and nothing evicts them.
+
+    ``frames[i]`` is a frame number, ``rows[i]`` a uint8 [page_bytes] view of it, ``addrs[i]``
+    its address; ``arena`` is the whole host arena ([num_frames, page_bytes] uint8), for
+    registering it with an engine once. ``res[a:b]`` is the reservation of those frames.
+    """
+
+    def __init__(self, arena: torch.Tensor, frames: list[int]) -> None:
+        self.arena = arena
+        self.frames = frames
+        self.page_bytes = int(arena.shape[1])
+
+    @property
+    def rows(self) -> list[torch.Tensor]:
+        return [self.arena[f] for f in self.frames]
+
+    @property
+    def addrs(self) -> list[int]:
+        base = self.arena.data_ptr()
+        return [base + f * self.page_bytes for f in self.frames]
+
+    def __len__(self) -> int:
+        return len(self.frames)
+
+    def __getitem__(self, s: slice) -> "ReservedFrames":
+        if not isinstance(s, slice):
+            raise InvalidInput("index a ReservedFrames with a slice")
+        return ReservedFrames(self.arena, self.frames[s])
+
+
 class Db:
     """An open kvdb data directory. Build one with :func:`kvdb.open`."""
 
@@ -471,6 +504,112 @@ class Db:
                                  ctx=ctx or AccessContext(positions=rpos))
                 self._maybe_make_room()
         return len(new)
+
+    # ------------------------------------------------------------------ zero-copy landing
+
+    def reserve_frames(self, n: int) -> ReservedFrames:
+        """Lend ``n`` host-tier frames to be written in place (pool invariant P6): free frames
+        first, then pages evicted as a put would evict them. All or nothing: CapacityError
+        (nothing evicted) when fewer than ``n`` frames are free or evictable. Every reservation
+        ends in ``commit_frames`` or ``release_frames``."""
+        self._check()
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise InvalidInput(f"reserve_frames needs a count >= 0, got {n!r}")
+        with self._lock:
+            self._check()
+            host = self.pool.tiers[HOST]
+            return ReservedFrames(host.arena.data, self.pool.reserve_host_frames(n))
+
+    @staticmethod
+    def _frame_list(frames) -> list[int]:
+        if isinstance(frames, ReservedFrames):
+            return list(frames.frames)
+        try:
+            out = [int(f) for f in frames]
+        except (TypeError, ValueError):
+            raise InvalidInput("frames must be a ReservedFrames or a sequence of frame numbers") from None
+        return out
+
+    def release_frames(self, frames) -> None:
+        """Hand reserved frames back unread (e.g. their bytes failed a check): nothing becomes
+        visible and the frames are free again."""
+        self._check()
+        fl = self._frame_list(frames)
+        with self._lock:
+            self._check()
+            self.pool.release_host_frames(fl)
+
+    def commit_frames(self, keys, frames, *, positions: Sequence[int] | None = None,
+                      durability: str | None = None, ctx: AccessContext | None = None) -> int:
+        """Store the bytes written into reserved ``frames`` under ``keys`` without copying them:
+        frame i becomes the host-tier page of keys[i]. Same rules as ``put_blocks`` -- keys
+        already stored (in memory or on disk) are skipped, "group"/"sync" write the pages to the
+        disk tier before returning -- and returns how many were new. The reservation is used up
+        whatever happens: frames not committed (skipped keys, duplicates, an error on the way)
+        are released. InvalidInput, with nothing changed, for frames not reserved."""
+        self._check()
+        fl = self._frame_list(frames)
+        with self._lock:
+            self._check()
+            host = self.pool._check_reserved(fl)
+        try:
+            keys = normalize_keys(keys)
+            n = len(keys)
+            if len(fl) != n:
+                raise InvalidInput(f"{n} keys for {len(fl)} reserved frames")
+            pos = self._check_positions(positions, n)
+            durability = durability or self.default_durability
+            if durability not in DURABILITIES:
+                raise InvalidInput(f"durability must be one of {DURABILITIES}, got {durability!r}")
+            if durability != "none" and self._cold is None:
+                raise InvalidInput(f"durability={durability!r} needs the disk tier (open with disk_bytes != 0)")
+            with self._lock:
+                self._check()
+                seen: set[bytes] = set()
+                fresh: list[int] = []
+                persist: list[int] = []
+                for i, k in enumerate(keys):
+                    if k in seen:
+                        continue
+                    seen.add(k)
+                    code = self.pool.table.get(k)
+                    if code is None:
+                        fresh.append(i)
+                    elif durability != "none" and self.pool.tiers[code & 1].dirty[code >> 1]:
+                        persist.append(i)
+            on_disk = [False] * len(fresh)
+            if self._cold is not None and fresh:
+                on_disk = self._cold_call(self._cold.contains, [keys[i] for i in fresh])
+            new = [i for i, d in zip(fresh, on_disk) if not d]
+            written = False
+            if durability != "none" and (new or persist):
+                rows = new + persist
+                arena = host.arena.data
+                idx = [fl[i] for i in rows]
+                pages = self._select(arena, idx) if idx else arena[:0]
+                self._cold_call(self._cold.put, [keys[i] for i in rows], np.ascontiguousarray(pages.numpy()),
+                                [pos[i] for i in rows], durability)
+                written = True
+            with self._lock:
+                self._check()
+                for i in persist:
+                    code = self.pool.table.get(keys[i])
+                    if code is not None:
+                        self.pool.tiers[code & 1].dirty[code >> 1] = 0
+                rows = [i for i in new if keys[i] not in self.pool.table]  # another writer may have won
+                if rows:
+                    rkeys, rpos = [keys[i] for i in rows], [pos[i] for i in rows]
+                    self.pool.commit_host_frames(rkeys, [fl[i] for i in rows], rpos,
+                                                 dirty=self._cold is not None and not written,
+                                                 ctx=ctx or AccessContext(positions=rpos))
+                committed = set(fl[i] for i in rows)
+                self.pool.release_host_frames([f for f in fl if f not in committed])
+            return len(new)
+        except BaseException:
+            with self._lock:
+                if self._state != "closed":
+                    self.pool.release_host_frames([f for f in fl if f in host.reserved])
+            raise
 
     @staticmethod
     def _select(pages: torch.Tensor, rows: list[int]) -> torch.Tensor:

@@ -17,6 +17,10 @@ Invariants (tests cite them):
   P4  resident pages of a tier never exceed its frame count (capacity accounting is exact).
   P5  a page leaves memory only through the spill callback (eviction from the last tier) or
       through delete; eviction from the device tier demotes to the host tier when it can.
+  P6  a *reserved* host frame (``reserve_host_frames``: a zero-copy landing place for bytes
+      written by someone else, e.g. the Transfer Engine) is neither free, nor in the page
+      table, nor known to the replacer, and is not counted resident; it leaves that state only
+      through ``commit_host_frames`` (resident-unpinned) or ``release_host_frames`` (free).
 
 Eviction order within a tier is the replacer's (kvdb/buffer_pool/replacer.py), fed with every
 request's frames in chain order.
@@ -33,7 +37,7 @@ import torch
 from kvdb.buffer_pool.arena import Arena
 from kvdb.buffer_pool.layout import BlockLayout
 from kvdb.buffer_pool.replacer import AccessContext, Replacer
-from kvdb.errors import InvalidInput
+from kvdb.errors import CapacityError, InvalidInput
 
 DEVICE, HOST = 0, 1
 TIER_NAMES = ("device", "host")
@@ -68,6 +72,7 @@ class Tier:
         self.pins = array("i", [0]) * n  # frame -> pin count
         self.positions = array("i", [-1]) * n  # frame -> block depth in its chain (-1 unknown)
         self.dirty = bytearray(n)  # frame -> 1 when the page is not yet in the cold tier
+        self.reserved: set[int] = set()  # frames lent out to be written in place (P6)
 
     @property
     def name(self) -> str:
@@ -79,7 +84,7 @@ class Tier:
 
     @property
     def num_resident(self) -> int:
-        return self.num_frames - len(self.free)
+        return self.num_frames - len(self.free) - len(self.reserved)
 
 
 class BufferPool:
@@ -288,6 +293,53 @@ class BufferPool:
         victims = self._evict_some(tier, free_frames - len(tier.free))
         tier.free.extend(sorted(victims, reverse=True))
         return len(victims)
+
+    # ------------------------------------------------------------ reserved host frames (P6)
+
+    def reserve_host_frames(self, k: int) -> list[int]:
+        """Take ``k`` host frames out of circulation (free ones first, then victims evicted as
+        ``insert`` would); all or nothing: CapacityError, with nothing evicted, when fewer than
+        ``k`` frames are free or evictable."""
+        host: Tier = self.tiers[HOST]  # type: ignore[assignment]
+        avail = len(host.free) + host.replacer.num_evictable()
+        if k > avail:
+            raise CapacityError(f"cannot reserve {k} host frames: {len(host.free)} free and "
+                                f"{host.replacer.num_evictable()} evictable of {host.num_frames} "
+                                f"({len(host.reserved)} already reserved)")
+        frames = self._reserve(host, k)
+        if len(frames) != k:  # a replacer that under-reports; give back what we took
+            host.free.extend(sorted(frames, reverse=True))
+            raise CapacityError(f"cannot reserve {k} host frames: only {len(frames)} could be freed")
+        host.reserved.update(frames)
+        return frames
+
+    def _check_reserved(self, frames: Sequence[int]) -> Tier:
+        host: Tier = self.tiers[HOST]  # type: ignore[assignment]
+        if len(set(frames)) != len(frames) or not host.reserved.issuperset(frames):
+            raise InvalidInput("frames must be distinct host frames reserved with reserve_frames "
+                               "and not yet committed or released")
+        return host
+
+    def commit_host_frames(self, keys: list[bytes], frames: list[int], positions: Sequence[int], dirty: bool,
+                           ctx: AccessContext | None = None) -> None:
+        """Reserved frames become resident pages under ``keys`` (not resident anywhere)."""
+        host = self._check_reserved(frames)
+        if not frames:
+            return
+        for key, f, p in zip(keys, frames, positions):
+            host.keys[f] = key
+            host.positions[f] = p
+            host.dirty[f] = dirty
+            self.table[key] = f << 1 | HOST
+        host.reserved.difference_update(frames)
+        host.replacer.record_access(frames, keys, ctx)
+        host.stats.inserts += len(frames)
+
+    def release_host_frames(self, frames: Sequence[int]) -> None:
+        """Reserved frames go back to the free list, their bytes unread."""
+        host = self._check_reserved(frames)
+        host.reserved.difference_update(frames)
+        host.free.extend(sorted(frames, reverse=True))
 
     # ------------------------------------------------------------ access, pins, delete
 

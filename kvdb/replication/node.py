@@ -5,7 +5,8 @@ requests strictly in order (so acknowledgements come back in request order). The
 Db (``kvdb replicate serve --db PATH``) and calls only its public API:
 
     db.layout, db.put_blocks(keys, blocks, durability=...), db.match_prefix(keys),
-    db.get_blocks(keys, out=...), db.stats()
+    db.get_blocks(keys, out=...), db.stats(),
+    db.reserve_frames(n), db.commit_frames(keys, frames, durability=...), db.release_frames(frames)
 
 and, for log shipping, a ``LogSink`` (shipping.py) that applies the leader's records.
 
@@ -20,6 +21,11 @@ Invariants:
   N2. A chunk whose landed bytes fail their XXH3-128 digests is rejected whole (ERROR{CORRUPT});
       nothing of it is stored; the sender's push raises.
   N3. Any failure on one connection closes that connection only; the node keeps serving.
+  N4. Zero-copy landing (RESERVE_FRAMES): a push lands straight in host-arena frames reserved
+      for it (the arena is registered with the engine once). A chunk's frames are committed
+      only after its digests matched (else released: nothing visible); frames a connection
+      still holds when it closes are released after a grace period, so that an engine write
+      still in flight cannot land in a frame already reused for another page.
 """
 
 from __future__ import annotations
@@ -27,10 +33,11 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+from dataclasses import dataclass, field
 
 import torch
 
-from kvdb.errors import AuthError, InvalidInput, KvdbError, NotFound, ReplicationError
+from kvdb.errors import AuthError, CapacityError, InvalidInput, KvdbError, NotFound, ReplicationError
 from kvdb.replication.channel import Channel, accept, parse_addr
 from kvdb.replication.peer import DURABILITY, block_digests, decode_keys
 from kvdb.replication.protocol import ErrorCode, Message, MsgType
@@ -40,6 +47,7 @@ log = logging.getLogger("kvdb.replication")
 
 DEFAULT_REGION_MAX_BYTES = 256 << 20  # landing memory one connection may ask for
 _FREE_REGIONS = 2  # released landing regions kept registered for the next connections
+_LATE_WRITE_GRACE_S = 2.0  # frames of a closed connection are released this long after it closed
 
 
 class NodeServer:
@@ -68,10 +76,18 @@ class NodeServer:
         self._channels: set[Channel] = set()
         self._free_regions: list[Region] = []  # landing regions of closed connections, for reuse
         self.counters = {"connections": 0, "auth_failures": 0, "corrupt_frames": 0, "blocks_received": 0,
-                         "bytes_received": 0, "lookups": 0, "blocks_served": 0, "blocks_served_by_engine": 0,
+                         "bytes_received": 0, "blocks_landed_in_arena": 0, "lookups": 0, "blocks_served": 0, "blocks_served_by_engine": 0,
                          "errors": 0}
         self._stopping = False
         self._thread: threading.Thread | None = None
+        self._arena = None  # the Db's host arena, once registered with the engine (by this node)
+        self._frames_ok = self.transport.kind == "mooncake" and hasattr(db, "reserve_frames")
+        self._host_frames = 0
+        if self._frames_ok:
+            try:
+                self._host_frames = int(db.stats()["tiers"]["host"]["capacity_pages"])
+            except (KvdbError, KeyError, TypeError):
+                self._frames_ok = False
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -99,6 +115,9 @@ class NodeServer:
             ch.close()
         if self._thread is not None:
             self._thread.join(5)
+        if self._arena is not None:
+            self.transport.unregister(self._arena)
+            self._arena = None
 
     def debug_drop_connections(self) -> int:
         """Test hook: close every open connection (a network drop); the node keeps listening."""
@@ -133,7 +152,7 @@ class NodeServer:
         lay = self.db.layout
         return {"node": self.node, "transport": self.transport.descriptor(),
                 "layout": {**lay.to_dict(), "page_bytes": lay.page_bytes},
-                "model_id": getattr(self.db, "model_id", None)}
+                "model_id": getattr(self.db, "model_id", None), "frames": self._frames_ok}
 
     def _serve_conn(self, conn: socket.socket, peer: str) -> None:
         try:
@@ -149,8 +168,7 @@ class NodeServer:
         self._count("connections")
         with self._lock:
             self._channels.add(ch)
-        region: Region | None = None
-        staging: list[torch.Tensor] = []  # registered buffer lookups are sent from (this connection)
+        state = _ConnState()
         try:
             while not ch.closed:
                 try:
@@ -161,7 +179,7 @@ class NodeServer:
                         log.warning("%s", e)
                     return
                 try:
-                    region = self._dispatch(ch, msg, region, staging)
+                    self._dispatch(ch, msg, state)
                 except _Refuse as e:
                     self._count("errors")
                     if e.code == ErrorCode.CORRUPT:
@@ -182,19 +200,26 @@ class NodeServer:
             ch.close()
             with self._lock:
                 self._channels.discard(ch)
-            if region is not None:
-                self._release_region(region)
-            for t in staging:
+            if state.region is not None:
+                self._release_region(state.region)
+            for t in state.staging:
                 self.transport.unregister(t)
+            if state.frames:  # N4: an engine write may still be on its way into them
+                held = list(state.frames.values())
+                timer = threading.Timer(_LATE_WRITE_GRACE_S, self._release_frames, args=(held,))
+                timer.daemon = True
+                timer.start()
 
-    def _dispatch(self, ch: Channel, msg: Message, region: Region | None, staging: list) -> Region | None:
+    def _dispatch(self, ch: Channel, msg: Message, state: "_ConnState") -> None:
         t = msg.type
         if t == MsgType.PUT_BLOCKS:
-            self._put_blocks(ch, msg, region)
+            self._put_blocks(ch, msg, state)
+        elif t == MsgType.RESERVE_FRAMES:
+            self._reserve_frames(ch, msg, state)
         elif t == MsgType.OPEN_REGION:
-            region = self._open_region(ch, msg, region)
+            state.region = self._open_region(ch, msg, state.region)
         elif t == MsgType.LOOKUP:
-            self._lookup(ch, msg, staging)
+            self._lookup(ch, msg, state.staging)
         elif t == MsgType.PING:
             ch.send(MsgType.PONG, {})
         elif t == MsgType.STATUS:
@@ -205,7 +230,6 @@ class NodeServer:
             self.sink.serve_stream(ch, msg, self._open_region_raw, self._release_region)
         else:
             raise _Refuse(ErrorCode.PROTOCOL, f"unexpected message {t.name}")
-        return region
 
     def _open_region_raw(self, nbytes: int) -> Region:
         nbytes = min(max(nbytes, 1), self.region_max_bytes)
@@ -234,7 +258,50 @@ class NodeServer:
                                  "bytes": region.nbytes})
         return region
 
-    def _put_blocks(self, ch: Channel, msg: Message, region: Region | None) -> None:
+    def _release_frames(self, held: list) -> None:
+        for res in held:
+            try:
+                self.db.release_frames(res)
+            except KvdbError:  # the Db closed meanwhile (its arena went with it) or already released
+                pass
+
+    def _reserve_frames(self, ch: Channel, msg: Message, state: "_ConnState") -> None:
+        """RESERVE_FRAMES {chunks}: reserve host-arena frames for each chunk of a push and name
+        them (N4), or answer ``frames: null`` (the sender then uses the landing region)."""
+        chunks = msg.meta.get("chunks")
+        if not isinstance(chunks, list) or not chunks or any(not isinstance(c, int) or c <= 0 for c in chunks):
+            raise _Refuse(ErrorCode.PROTOCOL, f"RESERVE_FRAMES needs block counts per chunk, got {chunks!r}")
+        self._release_frames(list(state.frames.values()))  # a previous push on this connection is over
+        state.frames.clear()
+        total = sum(chunks)
+        page = self.db.layout.page_bytes
+        reason = None
+        if not self._frames_ok:
+            reason = "this node does not land pushes in its arena"
+        elif total * page > self.region_max_bytes or 2 * total > self._host_frames:
+            reason = f"{total} blocks exceed the frames one push may reserve"
+        else:
+            try:
+                res = self.db.reserve_frames(total)
+            except CapacityError as e:
+                reason = str(e)
+        if reason is not None:
+            ch.send(MsgType.FRAMES, {"frames": None, "reason": reason})
+            return
+        with self._lock:
+            arena = self._arena
+        if arena is None:
+            if self.transport.register(res.arena):
+                with self._lock:
+                    self._arena = res.arena
+        start = 0
+        for i, c in enumerate(chunks):
+            state.frames[i] = res[start : start + c]
+            start += c
+        ch.send(MsgType.FRAMES, {"transport": self.transport.descriptor(), "base": res.arena.data_ptr(),
+                                 "page_bytes": page, "frames": [state.frames[i].frames for i in range(len(chunks))]})
+
+    def _put_blocks(self, ch: Channel, msg: Message, state: "_ConnState") -> None:
         lay = self.db.layout
         m = msg.meta
         n = m.get("blocks")
@@ -246,6 +313,10 @@ class NodeServer:
             raise _Refuse(ErrorCode.INVALID, f"blocks of {m.get('page_bytes')} bytes pushed to node "
                                              f"{self.node}, which stores {page}-byte blocks ({lay})")
         keys = decode_keys(msg.blob, n)
+        if m.get("landing") == "frames":
+            self._commit_frames(ch, m, keys, state, durability)
+            return
+        region = state.region
         if m.get("inline"):
             data = msg.blob[n * 16 :]
             if data.nbytes != n * page:
@@ -271,6 +342,34 @@ class NodeServer:
         except InvalidInput as e:
             raise _Refuse(ErrorCode.INVALID, str(e)) from None
         self._count("blocks_received", n)
+        self._count("bytes_received", n * page)
+        ch.send(MsgType.PUT_ACK, {"chunk": m.get("chunk"), "blocks": n})
+
+    def _commit_frames(self, ch: Channel, m: dict, keys: list, state: "_ConnState", durability: str) -> None:
+        """A chunk that landed in reserved arena frames: digests, then commit in place (N2, N4)."""
+        n = len(keys)
+        res = state.frames.pop(m.get("chunk"), None) if isinstance(m.get("chunk"), int) else None
+        if res is None or len(res) != n:
+            if res is not None:
+                self.db.release_frames(res)
+            raise _Refuse(ErrorCode.PROTOCOL, f"PUT_BLOCKS names chunk {m.get('chunk')!r} of {n} blocks, "
+                                              "which has no frames reserved on this connection")
+        digests = m.get("digests")
+        got = block_digests(res.rows) if isinstance(digests, list) and len(digests) == n else None
+        if got != digests:
+            self.db.release_frames(res)
+            if got is None:
+                raise _Refuse(ErrorCode.PROTOCOL, "PUT_BLOCKS through the engine needs one digest per block")
+            bad = [i for i, (a, b) in enumerate(zip(got, digests)) if a != b]
+            raise _Refuse(ErrorCode.CORRUPT, f"{len(bad)} of {n} landed blocks fail their XXH3-128 digest "
+                                             f"(first: block {bad[0]}); nothing of this chunk was stored")
+        try:
+            self.db.commit_frames(keys, res, durability=durability)  # uses the reservation up
+        except InvalidInput as e:
+            raise _Refuse(ErrorCode.INVALID, str(e)) from None
+        page = self.db.layout.page_bytes
+        self._count("blocks_received", n)
+        self._count("blocks_landed_in_arena", n)
         self._count("bytes_received", n * page)
         ch.send(MsgType.PUT_ACK, {"chunk": m.get("chunk"), "blocks": n})
 
@@ -330,6 +429,15 @@ class NodeServer:
         except KvdbError as e:
             out["db"] = {"error": str(e)}
         return out
+
+
+@dataclass
+class _ConnState:
+    """What one connection holds on this node."""
+
+    region: Region | None = None  # its landing region
+    staging: list = field(default_factory=list)  # registered buffer lookups are sent from
+    frames: dict = field(default_factory=dict)  # chunk -> ReservedFrames of the current push
 
 
 class _Refuse(Exception):

@@ -9,6 +9,12 @@ Push (prefill node -> decode node), over one authenticated channel::
     ...                            <-   PUT_ACK chunk 0   (durable on the peer)
     TE write chunk 4 -> slot 0 (only after chunk 0's ack) ...
 
+Zero-copy landing: when the peer offers it (``frames`` in its welcome), the push first sends
+``RESERVE_FRAMES {chunks}`` and the peer answers ``FRAMES`` naming host-arena frames reserved for
+every block; each chunk is written straight into its frames and the peer, after the digest
+check, commits them as pages in place (no copy out of a landing region; node.py N4). When the
+peer cannot reserve them (``frames: null``) the push uses the landing region below.
+
 The landing region holds ``window`` chunks (default 4 x 32 MiB): the peer stores chunk k while
 the engine moves the next ones, and up to two engine writes are in flight. Measured on 2 busy
 cores (docs/replication.md): 4 x 32 MiB gave push/engine 0.75-0.97, 2 x 64 MiB 0.60-0.87,
@@ -27,6 +33,8 @@ Invariants:
       engine's write, the goal is 0.8x). It guards against damage, not against an attacker who
       can write into registered memory: the engine's port must be on a trusted fabric.
   P3. Landing slot k % window is rewritten only after chunk k - window's ack (no torn reuse).
+  P4. A push that fails waits for its engine writes still in flight before it raises, so no
+      write of an abandoned push lands after the peer reused the memory.
 """
 
 from __future__ import annotations
@@ -163,7 +171,12 @@ class Peer:
         window = self.window  # chunks not yet acknowledged (P3)
         region = None
         registered: list[torch.Tensor] = []
-        if engine:
+        frames = None
+        if engine and self.channel.peer_meta.get("frames"):
+            frames = self._reserve_frames(n, per_chunk, page_bytes)
+        if frames is not None:
+            region = {"transport": frames["transport"]}
+        elif engine:
             num_chunks = -(-n // per_chunk)
             region = self._landing_region(min(window, num_chunks) * per_chunk * page_bytes)
             slots = int(region["bytes"]) // page_bytes
@@ -171,6 +184,7 @@ class Peer:
                 raise ReplicationError(f"{self.addr} offered a landing region smaller than one block")
             per_chunk = min(per_chunk, slots)
             window = max(1, min(window, slots // per_chunk))
+        if engine:
             seen: set[int] = set()
             for r in rows:  # one registration per backing storage (an arena: once, ever)
                 sp = r.untyped_storage().data_ptr()
@@ -179,25 +193,59 @@ class Peer:
                     if self.transport.register(r):
                         registered.append(r)
         try:
-            self._push_chunks(key_blob, rows, page_bytes, durability, per_chunk, window, region)
+            self._push_chunks(key_blob, rows, page_bytes, durability, per_chunk, window, region,
+                              frames["addrs"] if frames is not None else None)
         finally:
             for r in registered:
                 self.transport.unregister(r)
         return PushResult(n, n * page_bytes, "mooncake" if engine else "tcp")
 
+    def _reserve_frames(self, n: int, per_chunk: int, page_bytes: int) -> dict | None:
+        """Ask the peer to reserve arena frames for every block of this push; None when it
+        cannot (the landing region is used then). Returns the engine descriptor and, per chunk,
+        the destination address of each block."""
+        chunks = [min(per_chunk, n - s) for s in range(0, n, per_chunk)]
+        self.channel.send(MsgType.RESERVE_FRAMES, {"chunks": chunks})
+        reply = self.channel.expect(MsgType.FRAMES)
+        got = reply.meta.get("frames")
+        if got is None:
+            return None
+        base, page = reply.meta.get("base"), reply.meta.get("page_bytes")
+        if not isinstance(got, list) or [len(f) if isinstance(f, list) else -1 for f in got] != chunks \
+                or not isinstance(base, int) or page != page_bytes:
+            self.channel.close()
+            raise ReplicationError(f"{self.addr} answered RESERVE_FRAMES with a malformed frame list")
+        return {"transport": reply.meta.get("transport"),
+                "addrs": [[base + int(f) * page_bytes for f in fr] for fr in got]}
+
     def _push_chunks(self, key_blob: bytes, rows: list[torch.Tensor], page_bytes: int, durability: str,
-                     per_chunk: int, window: int, region: dict | None) -> None:
+                     per_chunk: int, window: int, region: dict | None, frame_addrs: list | None) -> None:
         """Send chunks, at most ``window`` unacknowledged (P3: slot k % window is rewritten only
         after chunk k - window's ack). Engine path: up to two writes in flight; each chunk's
         digests are computed while its own transfer runs, and it is announced (PUT_BLOCKS) once
-        its write completed and the next one is already submitted."""
+        its write completed and the next one is already submitted. ``frame_addrs``: chunk k
+        lands at ``frame_addrs[k]`` (reserved arena frames) instead of a region slot."""
+        pending: deque = deque()  # engine: (chunk, write handle, meta, keys) submitted, not announced
+        try:
+            self._push_pipeline(key_blob, rows, page_bytes, durability, per_chunk, window, region,
+                                frame_addrs, pending)
+        except BaseException:
+            for _, handle, _, _ in pending:  # P4
+                try:
+                    self.transport.wait(handle)
+                except ReplicationError:
+                    pass
+            raise
+
+    def _push_pipeline(self, key_blob, rows, page_bytes, durability, per_chunk, window, region,
+                       frame_addrs, pending: deque) -> None:
         n = len(rows)
         acks: deque[int] = deque()  # announced chunks awaiting PUT_ACK, oldest first
-        pending: deque = deque()  # engine: (chunk, write handle, meta, keys) submitted, not announced
 
         def announce() -> None:
-            chunk, handle, meta, ck = pending.popleft()
+            chunk, handle, meta, ck = pending[0]
             self.transport.wait(handle)
+            pending.popleft()
             self.channel.send(MsgType.PUT_BLOCKS, meta, [ck])
             acks.append(chunk)
 
@@ -216,12 +264,18 @@ class Peer:
                 self.channel.send(MsgType.PUT_BLOCKS, meta, [ck, *[r.numpy() for r in part]])
                 acks.append(chunk)
                 continue
-            offset = (chunk % window) * per_chunk * page_bytes
-            base = int(region["addr"]) + offset
-            handle = self.transport.write_async(region["transport"], [(r.data_ptr(), page_bytes) for r in part],
-                                                [base + i * page_bytes for i in range(len(part))])
-            meta.update(inline=False, offset=offset, digests=block_digests(part))  # overlaps the transfer
-            pending.append((chunk, handle, meta, ck))
+            if frame_addrs is not None:
+                dst = frame_addrs[chunk]
+                meta.update(landing="frames")
+            else:
+                offset = (chunk % window) * per_chunk * page_bytes
+                base = int(region["addr"]) + offset
+                dst = [base + i * page_bytes for i in range(len(part))]
+                meta.update(offset=offset)
+            handle = self.transport.write_async(region["transport"], [(r.data_ptr(), page_bytes) for r in part], dst)
+            pending.append((chunk, handle, None, ck))
+            meta.update(inline=False, digests=block_digests(part))  # overlaps the transfer
+            pending[-1] = (chunk, handle, meta, ck)
             if len(pending) >= 2:
                 announce()
         while pending:

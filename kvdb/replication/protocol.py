@@ -64,6 +64,9 @@ class MsgType(enum.IntEnum):
     PUT_BLOCKS = 12  # client -> server: {"chunk", "blocks", "page_bytes", "durability", "inline",
     #                  "offset", "digests"}; blob: keys [+ data when inline]
     PUT_ACK = 13  # server -> client: {"blocks", "seq"}: durable on the server
+    RESERVE_FRAMES = 14  # client -> server: {"chunks": [blocks per chunk]}: land a push in arena frames
+    FRAMES = 15  # server -> client: {"transport", "base", "page_bytes", "frames": [[frame, ...] per
+    #              chunk]} or {"frames": null, "reason"}: use the landing region instead
 
     LOOKUP = 20  # client -> server: {"keys", "fetch", "region"?}; blob: keys: longest stored prefix (+ blocks)
     LOOKUP_REPLY = 21  # server -> client: {"hits", "page_bytes", "via"?, "digests"?}; blob: blocks when inline
