@@ -210,8 +210,10 @@ class LogWriter:
             raise
         raise err from e
 
-    def sync_to(self, lsn: int, own: bool = False) -> int:
-        """Return once every record up to ``lsn`` is fsynced (W2). ``own``: fsync now, alone."""
+    def sync_to(self, lsn: int, own: bool = False, notify: bool = True) -> int:
+        """Return once every record up to ``lsn`` is fsynced (W2); returns the durable lsn.
+        ``own``: fsync now, alone. ``notify=False``: the caller runs ``on_durable`` itself
+        (after it has woken its own waiters)."""
         if own:
             try:
                 target = self._fsync_active()
@@ -220,7 +222,7 @@ class LogWriter:
             with self._mu:
                 self.num_fsyncs += 1
                 self._publish(target)
-            if self.on_durable is not None:
+            if notify and self.on_durable is not None:
                 self.on_durable(target)
             return target
         mu = self._mu
@@ -235,16 +237,16 @@ class LogWriter:
             if not self._syncing:
                 self._syncing = True
                 mu.release()
-                return self._lead()
+                return self._lead(notify)
             waiter = [lsn, _allocate_lock(), False]  # lsn, wake-up lock, "you lead now"
             waiter[1].acquire()
             self._waiters.append(waiter)
             mu.release()
             waiter[1].acquire()  # released by the leader (covered, or leadership handed over)
             if waiter[2]:
-                return self._lead()
+                return self._lead(notify)
 
-    def _lead(self) -> int:
+    def _lead(self, notify: bool) -> int:
         """The group leader: fsync, wake exactly the waiters it covered, and go on with the
         ones that appended during that fsync (at most ``max_lead_rounds`` fsyncs, then hand
         the lead to one of them). Index updates are applied once, at the end."""
@@ -288,7 +290,7 @@ class LogWriter:
                 heir[1].release()
             if not again:
                 break
-        if self.on_durable is not None and rounds:
+        if notify and self.on_durable is not None and rounds:
             self.on_durable(durable)
         return durable
 
