@@ -271,3 +271,25 @@ def test_damaged_block_in_arena_frames_is_released_unseen(node):
         q.push(keys, blocks, durability="none")
     assert torch.equal(_stored(node.db, keys), blocks)
     assert sorted(node.db.pool.table[k] >> 1 for k in keys) == [0, 1, 2]
+
+
+@needs_te
+def test_sync_push_into_frames_is_on_disk_when_acknowledged(netns, tmp_path):
+    # Scenario: a peer with a disk tier; a push with durability="sync" lands in arena frames and
+    # is acknowledged only after commit_frames wrote it to the disk tier: the pages are clean in
+    # memory, and after the peer's Db closes, PATH reopens with every block bit-exact.
+    blocks, keys = make_blocks(5, seed=14), make_keys(5, tag=14)
+    db = _open(tmp_path / "peer", 16, disk=True)
+    srv = NodeServer(db, "127.0.0.1:0", SECRET, transport="mooncake").start()
+    try:
+        with Peer(srv.address, secret=SECRET, transport="mooncake", chunk_bytes=2 * PAGE) as p:
+            p.push(keys, blocks, durability="sync")
+            assert p.status()["counters"]["blocks_landed_in_arena"] == 5
+        t = _host(db)
+        assert [t.dirty[db.pool.table[k] >> 1] for k in keys] == [0] * 5
+        assert _check_pool(db) == (5, 11, 0)
+    finally:
+        srv.stop()
+        db.close()
+    with _open(tmp_path / "peer", 16, disk=True) as again:
+        assert torch.equal(_stored(again, keys), blocks)
