@@ -47,7 +47,7 @@ log = logging.getLogger("kvdb.replication")
 
 DEFAULT_REGION_MAX_BYTES = 256 << 20  # landing memory one connection may ask for
 _FREE_REGIONS = 2  # released landing regions kept registered for the next connections
-_LATE_WRITE_GRACE_S = 2.0  # frames of a closed connection are released this long after it closed
+LATE_WRITE_GRACE_S = 2.0  # frames of a closed connection are released this long after it closed
 
 
 class NodeServer:
@@ -55,8 +55,10 @@ class NodeServer:
 
     def __init__(self, db, listen: str, secret: bytes, *, node: str | None = None,
                  transport: Transport | str | None = None, sink=None,
-                 region_max_bytes: int = DEFAULT_REGION_MAX_BYTES) -> None:
+                 region_max_bytes: int = DEFAULT_REGION_MAX_BYTES,
+                 late_write_grace_s: float = LATE_WRITE_GRACE_S) -> None:
         self.db = db
+        self.late_write_grace_s = float(late_write_grace_s)
         self.secret = secret
         self.sink = sink  # LogSink for shipped log records (None: this node refuses log streams)
         self.leader_status = None  # callable -> [follower dicts] when this node ships its own log
@@ -206,7 +208,7 @@ class NodeServer:
                 self.transport.unregister(t)
             if state.frames:  # N4: an engine write may still be on its way into them
                 held = list(state.frames.values())
-                timer = threading.Timer(_LATE_WRITE_GRACE_S, self._release_frames, args=(held,))
+                timer = threading.Timer(self.late_write_grace_s, self._release_frames, args=(held,))
                 timer.daemon = True
                 timer.start()
 

@@ -3,6 +3,8 @@ with exact frame accounting, and pushes that land in the peer's arena (node.py N
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
@@ -156,6 +158,16 @@ def test_durable_commit_reaches_the_disk_tier_before_returning(tmp_path):
         t = _host(db)
         assert [t.dirty[db.pool.table[k] >> 1] for k in keys] == [0, 0, 0]
         assert _check_pool(db) == (3, 5, 0)
+        # a key resident but only in memory (durability none: dirty) is made durable, not replaced
+        extra, extra_key = make_blocks(1, seed=15), make_keys(1, tag=15)
+        db.put_blocks(extra_key, extra, durability="none")
+        assert t.dirty[db.pool.table[extra_key[0]] >> 1] == 1
+        res = db.reserve_frames(1)
+        _land(res, extra)
+        assert db.commit_frames(extra_key, res, durability="sync") == 0
+        assert t.dirty[db.pool.table[extra_key[0]] >> 1] == 0
+        assert _check_pool(db) == (4, 4, 0)
+        keys, blocks = keys + extra_key, torch.cat([blocks, extra])
     with _open(tmp_path / "db", 8, disk=True) as db:
         assert torch.equal(_stored(db, keys), blocks)
 
@@ -293,3 +305,30 @@ def test_sync_push_into_frames_is_on_disk_when_acknowledged(netns, tmp_path):
         db.close()
     with _open(tmp_path / "peer", 16, disk=True) as again:
         assert torch.equal(_stored(again, keys), blocks)
+
+
+@needs_te
+def test_frames_of_a_dropped_connection_are_released_after_the_grace_period(netns, tmp_path):
+    # Scenario: a sender reserves frames for a 2-chunk push, then its connection drops before it
+    # announced anything (N4): the frames stay reserved for the grace period (an engine write
+    # could still be on its way), then go back free; nothing becomes visible.
+    from kvdb.replication.protocol import MsgType
+
+    db = _open(tmp_path / "peer", 16)
+    srv = NodeServer(db, "127.0.0.1:0", SECRET, transport="mooncake", late_write_grace_s=0.2).start()
+    try:
+        p = Peer(srv.address, secret=SECRET, transport="mooncake")
+        p.channel.send(MsgType.RESERVE_FRAMES, {"chunks": [3, 2]})
+        reply = p.channel.expect(MsgType.FRAMES)
+        assert reply.meta["frames"] == [[0, 1, 2], [3, 4]]
+        assert _check_pool(db) == (0, 11, 5)
+        p.close()
+        for _ in range(200):  # the release happens on the node's timer thread
+            if not _host(db).reserved:
+                break
+            threading.Event().wait(0.05)
+        assert _check_pool(db) == (0, 16, 0)
+        assert len(db.pool.table) == 0
+    finally:
+        srv.stop()
+        db.close()
