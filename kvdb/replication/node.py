@@ -78,8 +78,8 @@ class NodeServer:
         self._channels: set[Channel] = set()
         self._free_regions: list[Region] = []  # landing regions of closed connections, for reuse
         self.counters = {"connections": 0, "auth_failures": 0, "corrupt_frames": 0, "blocks_received": 0,
-                         "bytes_received": 0, "blocks_landed_in_arena": 0, "lookups": 0, "blocks_served": 0, "blocks_served_by_engine": 0,
-                         "errors": 0}
+                         "bytes_received": 0, "blocks_landed_in_arena": 0, "lookups": 0, "blocks_served": 0,
+                         "blocks_served_by_engine": 0, "errors": 0}
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._arena = None  # the Db's host arena, once registered with the engine (by this node)
