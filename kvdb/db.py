@@ -456,18 +456,41 @@ class Db:
         n = len(keys)
         pages = self._as_pages(blocks, n, "blocks")
         pos = self._check_positions(positions, n)
+        if tier not in (None, "disk"):
+            raise InvalidInput(f"tier must be None or 'disk', got {tier!r}")
+        durability = self._check_durability(durability, to_disk=tier == "disk")
+
+        def place(rows: list[int], dirty: bool) -> None:
+            if not rows:
+                return
+            rkeys, rpos = [keys[i] for i in rows], [pos[i] for i in rows]
+            self.pool.insert(rkeys, self._select(pages, rows), rpos, dirty=dirty, ctx=ctx or AccessContext(positions=rpos))
+            self._maybe_make_room()
+
+        return self._store(keys, pos, lambda rows: self._select(pages, rows), durability,
+                           None if tier == "disk" else place)
+
+    def _check_durability(self, durability: str | None, to_disk: bool = False) -> str:
         durability = durability or self.default_durability
         if durability not in DURABILITIES:
             raise InvalidInput(f"durability must be one of {DURABILITIES}, got {durability!r}")
-        if tier not in (None, "disk"):
-            raise InvalidInput(f"tier must be None or 'disk', got {tier!r}")
-        if (durability != "none" or tier == "disk") and self._cold is None:
-            raise InvalidInput(f"durability={durability!r} / tier={tier!r} needs the disk tier (open with disk_bytes != 0)")
+        if (durability != "none" or to_disk) and self._cold is None:
+            raise InvalidInput(f"durability={durability!r}{' / tier=disk' if to_disk else ''} needs the disk tier "
+                               "(open with disk_bytes != 0)")
+        return durability
+
+    def _store(self, keys: list[bytes], pos: list[int], pages_of, durability: str, place) -> int:
+        """The one write path (put_blocks, commit_frames). Keys already stored -- in memory or
+        on disk -- are skipped: the stored bytes stay the only copy, so memory and disk never
+        disagree about a key. With durability "group"/"sync" the new pages, and resident pages
+        not yet on disk, go to the disk tier first (outside the lock: writers share fsyncs);
+        then ``place(rows, dirty)`` puts the new ones in memory under the lock (None: disk
+        only). ``pages_of(rows)`` gives the pages of those rows. Returns how many were new."""
         with self._lock:
             self._check()
             seen: set[bytes] = set()
             fresh: list[int] = []  # not in memory
-            persist: list[int] = []  # in memory but not yet on disk, and the caller asks for durability
+            persist: list[int] = []  # in memory, not yet on disk, and the caller asks for disk
             for i, k in enumerate(keys):
                 if k in seen:
                     continue
@@ -480,16 +503,14 @@ class Db:
         on_disk = [False] * len(fresh)
         if self._cold is not None and fresh:
             on_disk = self._cold_call(self._cold.contains, [keys[i] for i in fresh])
-        # keys on disk are skipped like resident ones: the stored bytes stay the only copy (the
-        # caller's bytes could differ, and memory and disk must never disagree about a key)
         new = [i for i, d in zip(fresh, on_disk) if not d]
         written = False
-        if (durability != "none" or tier == "disk") and (new or persist):
+        if (durability != "none" or place is None) and (new or persist):
             rows = new + persist
-            self._cold_call(self._cold.put, [keys[i] for i in rows], np.ascontiguousarray(self._select(pages, rows).cpu().numpy()),
+            self._cold_call(self._cold.put, [keys[i] for i in rows], np.ascontiguousarray(pages_of(rows).cpu().numpy()),
                             [pos[i] for i in rows], durability)
             written = True
-        if tier == "disk":
+        if place is None:
             return len(new)
         with self._lock:
             self._check()
@@ -498,11 +519,7 @@ class Db:
                 if code is not None:
                     self.pool.tiers[code & 1].dirty[code >> 1] = 0
             rows = [i for i in new if keys[i] not in self.pool.table]  # another writer may have won
-            if rows:
-                rkeys, rpos = [keys[i] for i in rows], [pos[i] for i in rows]
-                self.pool.insert(rkeys, self._select(pages, rows), rpos, dirty=self._cold is not None and not written,
-                                 ctx=ctx or AccessContext(positions=rpos))
-                self._maybe_make_room()
+            place(rows, self._cold is not None and not written)
         return len(new)
 
     # ------------------------------------------------------------------ zero-copy landing
@@ -558,53 +575,18 @@ class Db:
             if len(fl) != n:
                 raise InvalidInput(f"{n} keys for {len(fl)} reserved frames")
             pos = self._check_positions(positions, n)
-            durability = durability or self.default_durability
-            if durability not in DURABILITIES:
-                raise InvalidInput(f"durability must be one of {DURABILITIES}, got {durability!r}")
-            if durability != "none" and self._cold is None:
-                raise InvalidInput(f"durability={durability!r} needs the disk tier (open with disk_bytes != 0)")
-            with self._lock:
-                self._check()
-                seen: set[bytes] = set()
-                fresh: list[int] = []
-                persist: list[int] = []
-                for i, k in enumerate(keys):
-                    if k in seen:
-                        continue
-                    seen.add(k)
-                    code = self.pool.table.get(k)
-                    if code is None:
-                        fresh.append(i)
-                    elif durability != "none" and self.pool.tiers[code & 1].dirty[code >> 1]:
-                        persist.append(i)
-            on_disk = [False] * len(fresh)
-            if self._cold is not None and fresh:
-                on_disk = self._cold_call(self._cold.contains, [keys[i] for i in fresh])
-            new = [i for i, d in zip(fresh, on_disk) if not d]
-            written = False
-            if durability != "none" and (new or persist):
-                rows = new + persist
-                arena = host.arena.data
-                idx = [fl[i] for i in rows]
-                pages = self._select(arena, idx) if idx else arena[:0]
-                self._cold_call(self._cold.put, [keys[i] for i in rows], np.ascontiguousarray(pages.numpy()),
-                                [pos[i] for i in rows], durability)
-                written = True
-            with self._lock:
-                self._check()
-                for i in persist:
-                    code = self.pool.table.get(keys[i])
-                    if code is not None:
-                        self.pool.tiers[code & 1].dirty[code >> 1] = 0
-                rows = [i for i in new if keys[i] not in self.pool.table]  # another writer may have won
+            durability = self._check_durability(durability)
+            arena = host.arena.data
+
+            def place(rows: list[int], dirty: bool) -> None:
                 if rows:
-                    rkeys, rpos = [keys[i] for i in rows], [pos[i] for i in rows]
-                    self.pool.commit_host_frames(rkeys, [fl[i] for i in rows], rpos,
-                                                 dirty=self._cold is not None and not written,
+                    rpos = [pos[i] for i in rows]
+                    self.pool.commit_host_frames([keys[i] for i in rows], [fl[i] for i in rows], rpos, dirty=dirty,
                                                  ctx=ctx or AccessContext(positions=rpos))
-                committed = set(fl[i] for i in rows)
+                committed = {fl[i] for i in rows}
                 self.pool.release_host_frames([f for f in fl if f not in committed])
-            return len(new)
+
+            return self._store(keys, pos, lambda rows: self._select(arena, [fl[i] for i in rows]), durability, place)
         except BaseException:
             with self._lock:
                 if self._state != "closed":
