@@ -20,3 +20,6 @@ NodeId = NewType("NodeId", str)
 """A workflow node or a replication peer, by name."""
 
 KEY_BYTES = 16
+
+DURABILITIES = ("none", "group", "sync")
+"""Per-write durability: ack at once (written back later), after a shared fsync, after an own fsync."""

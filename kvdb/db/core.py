@@ -47,8 +47,12 @@ import torch
 
 from kvdb.buffer_pool.arena import cuda_available
 from kvdb.buffer_pool.layout import BlockLayout
-from kvdb.buffer_pool.pool import DEVICE, HOST, TIER_NAMES, BufferPool, Tier
+from kvdb.buffer_pool.pool import DEVICE, HOST, BufferPool, Tier
 from kvdb.buffer_pool.replacer import AccessContext, Replacer
+from kvdb.db.handles import PinnedPages
+from kvdb.db.landing import LandingMixin
+from kvdb.db.replication import ReplicationMixin
+from kvdb.db.sessions import SessionsMixin
 from kvdb.errors import (
     CapacityError,
     DbFailedError,
@@ -61,12 +65,10 @@ from kvdb.errors import (
 from kvdb.format.manifest import read_manifest, write_manifest
 from kvdb.keys import DEFAULT_TENANT, KeySpace, normalize_keys
 from kvdb.planner import Planner, make_policy
-from kvdb.planner.hints import HintOutcome
 from kvdb.planner.policies import REPLAY_ONLY
-from kvdb.types import BlockKey
+from kvdb.types import DURABILITIES, BlockKey
 from kvdb.wal.fs import write_file_atomic
 
-DURABILITIES = ("none", "group", "sync")
 KEY_SECRET_NAME = "KEY_SECRET"
 LOCK_NAME = "LOCK"
 
@@ -81,76 +83,7 @@ def _describe_keys(keys: Sequence[bytes], limit: int = 4) -> str:
     return shown + more
 
 
-class PinnedPages:
-    """Zero-copy views of pinned pages; the pages stay resident until ``release`` / exit.
-
-    ``pages[i]`` is a tensor of ``layout.block_shape`` and ``layout.dtype`` aliasing the arena
-    frame (on the device tier's device, or host memory); ``tiers[i]`` names the tier. Writing
-    through a view changes the stored block: treat views as read-only.
-    """
-
-    def __init__(self, db: "Db", handles: list[tuple[Tier, int]], pages: list[torch.Tensor]) -> None:
-        self._db = db
-        self._handles = handles
-        self.pages = pages
-        self.tiers = [TIER_NAMES[t.index] for t, _ in handles]
-        self._released = False
-
-    def __len__(self) -> int:
-        return len(self.pages)
-
-    def __getitem__(self, i):
-        return self.pages[i]
-
-    def __iter__(self):
-        return iter(self.pages)
-
-    def release(self) -> None:
-        if not self._released:
-            self._released = True
-            self._db._unpin(self._handles)
-
-    def __enter__(self) -> "PinnedPages":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.release()
-
-
-class ReservedFrames:
-    """Host arena frames lent out by ``Db.reserve_frames``: bytes are written into them in place
-    (e.g. by the Transfer Engine), then ``Db.commit_frames`` makes them stored pages or
-    ``Db.release_frames`` hands them back. Until then no reader sees them and nothing evicts them.
-
-    ``frames[i]`` is a frame number, ``rows[i]`` a uint8 [page_bytes] view of it, ``addrs[i]``
-    its address; ``arena`` is the whole host arena ([num_frames, page_bytes] uint8), for
-    registering it with an engine once. ``res[a:b]`` is the reservation of those frames.
-    """
-
-    def __init__(self, arena: torch.Tensor, frames: list[int]) -> None:
-        self.arena = arena
-        self.frames = frames
-        self.page_bytes = int(arena.shape[1])
-
-    @property
-    def rows(self) -> list[torch.Tensor]:
-        return [self.arena[f] for f in self.frames]
-
-    @property
-    def addrs(self) -> list[int]:
-        base = self.arena.data_ptr()
-        return [base + f * self.page_bytes for f in self.frames]
-
-    def __len__(self) -> int:
-        return len(self.frames)
-
-    def __getitem__(self, s: slice) -> "ReservedFrames":
-        if not isinstance(s, slice):
-            raise InvalidInput("index a ReservedFrames with a slice")
-        return ReservedFrames(self.arena, self.frames[s])
-
-
-class Db:
+class Db(SessionsMixin, LandingMixin, ReplicationMixin):
     """An open kvdb data directory. Build one with :func:`kvdb.open`."""
 
     def __init__(
@@ -312,17 +245,6 @@ class Db:
             self._cold = self._open_cold(disk_bytes, codec, encryption_key_file)
         elif encryption_key_file is not None:
             raise InvalidInput("encryption_key_file needs the disk tier (disk_bytes != 0)")
-
-    def _open_replication(self, peers, replicas, secret_file, transport):
-        if secret_file is None:
-            raise InvalidInput("peers= / replicas= need replication_secret_file= (a shared secret, the same on every node)")
-        for addr in [*peers, *replicas]:
-            if not isinstance(addr, str) or ":" not in addr:
-                raise InvalidInput(f"a peer address is 'host:port', got {addr!r}")
-        from kvdb.replication.replicator import Replicator  # the replication layer sits above the Db
-
-        return Replicator(self, replicas=list(replicas), peers=list(peers), secret_file=secret_file,
-                          transport=transport)
 
     def _open_cold(self, disk_bytes, codec, encryption_key_file):
         try:
@@ -521,77 +443,6 @@ class Db:
             rows = [i for i in new if keys[i] not in self.pool.table]  # another writer may have won
             place(rows, self._cold is not None and not written)
         return len(new)
-
-    # ------------------------------------------------------------------ zero-copy landing
-
-    def reserve_frames(self, n: int) -> ReservedFrames:
-        """Lend ``n`` host-tier frames to be written in place (pool invariant P6): free frames
-        first, then pages evicted as a put would evict them. All or nothing: CapacityError
-        (nothing evicted) when fewer than ``n`` frames are free or evictable. Every reservation
-        ends in ``commit_frames`` or ``release_frames``."""
-        self._check()
-        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
-            raise InvalidInput(f"reserve_frames needs a count >= 0, got {n!r}")
-        with self._lock:
-            self._check()
-            host = self.pool.tiers[HOST]
-            return ReservedFrames(host.arena.data, self.pool.reserve_host_frames(n))
-
-    @staticmethod
-    def _frame_list(frames) -> list[int]:
-        if isinstance(frames, ReservedFrames):
-            return list(frames.frames)
-        try:
-            out = [int(f) for f in frames]
-        except (TypeError, ValueError):
-            raise InvalidInput("frames must be a ReservedFrames or a sequence of frame numbers") from None
-        return out
-
-    def release_frames(self, frames) -> None:
-        """Hand reserved frames back unread (e.g. their bytes failed a check): nothing becomes
-        visible and the frames are free again."""
-        self._check()
-        fl = self._frame_list(frames)
-        with self._lock:
-            self._check()
-            self.pool.release_host_frames(fl)
-
-    def commit_frames(self, keys, frames, *, positions: Sequence[int] | None = None,
-                      durability: str | None = None, ctx: AccessContext | None = None) -> int:
-        """Store the bytes written into reserved ``frames`` under ``keys`` without copying them:
-        frame i becomes the host-tier page of keys[i]. Same rules as ``put_blocks`` -- keys
-        already stored (in memory or on disk) are skipped, "group"/"sync" write the pages to the
-        disk tier before returning -- and returns how many were new. The reservation is used up
-        whatever happens: frames not committed (skipped keys, duplicates, an error on the way)
-        are released. InvalidInput, with nothing changed, for frames not reserved."""
-        self._check()
-        fl = self._frame_list(frames)
-        with self._lock:
-            self._check()
-            host = self.pool._check_reserved(fl)
-        try:
-            keys = normalize_keys(keys)
-            n = len(keys)
-            if len(fl) != n:
-                raise InvalidInput(f"{n} keys for {len(fl)} reserved frames")
-            pos = self._check_positions(positions, n)
-            durability = self._check_durability(durability)
-            arena = host.arena.data
-
-            def place(rows: list[int], dirty: bool) -> None:
-                if rows:
-                    rpos = [pos[i] for i in rows]
-                    self.pool.commit_host_frames([keys[i] for i in rows], [fl[i] for i in rows], rpos, dirty=dirty,
-                                                 ctx=ctx or AccessContext(positions=rpos))
-                committed = {fl[i] for i in rows}
-                self.pool.release_host_frames([f for f in fl if f not in committed])
-
-            return self._store(keys, pos, lambda rows: self._select(arena, [fl[i] for i in rows]), durability, place)
-        except BaseException:
-            with self._lock:
-                if self._state != "closed":
-                    self.pool.release_host_frames([f for f in fl if f in host.reserved])
-            raise
 
     @staticmethod
     def _select(pages: torch.Tensor, rows: list[int]) -> torch.Tensor:
@@ -886,77 +737,6 @@ class Db:
             self._room_pending = False
             if self._state == "open":
                 self.pool.make_room(DEVICE, self._device_free_target)
-
-    # ------------------------------------------------------------------ sessions (planner)
-
-    def begin_session(self, session_id: str, *, tenant: str | None = None, workflow=None,
-                      now_s: float | None = None) -> None:
-        """Open an agent session, optionally with its declared workflow (DAG of LLM calls and
-        tool waits: a list of ``{"id", "agent_id", "deps"}`` nodes or ``{"nodes": [...]}``)."""
-        self._check()
-        with self._lock:
-            self.planner.begin_session(session_id, tenant=tenant, workflow=workflow, now_s=now_s)
-
-    def hint(self, session_id: str, *, now_s: float | None = None, **hints) -> list[HintOutcome]:
-        """Advisory hints (``expected_tool_duration_s``, ``ttl_s``, ``priority``, ``prefix_hash``,
-        ``tool``); each comes back accepted, clipped or rejected with the reason."""
-        self._check()
-        with self._lock:
-            return self.planner.hint(session_id, now_s=now_s, **hints)
-
-    def call_started(self, session_id: str | None, *, node_id: str | None = None, agent_id: str | None = None,
-                     tenant: str | None = None, hints=None, now_s: float | None = None):
-        """An LLM call arrives: returns ``(ctx, hint_outcomes)``; pass ``ctx`` to the call's
-        ``match_prefix`` and ``put_blocks`` so the policy knows whose blocks these are."""
-        self._check()
-        with self._lock:
-            return self.planner.call_started(session_id, node_id=node_id, agent_id=agent_id, tenant=tenant,
-                                             hints=hints, now_s=now_s)
-
-    def call_finished(self, session_id: str | None, *, node_id: str | None = None, agent_id: str | None = None,
-                      hints=None, now_s: float | None = None) -> None:
-        self._check()
-        with self._lock:
-            self.planner.call_finished(session_id, node_id=node_id, agent_id=agent_id, hints=hints, now_s=now_s)
-
-    def end_session(self, session_id: str, *, now_s: float | None = None) -> None:
-        self._check()
-        with self._lock:
-            self.planner.end_session(session_id, now_s=now_s)
-
-    def explain(self, workflow) -> dict:
-        """The plan of a workflow spec as a tree (what ``kvdb explain`` prints)."""
-        return self.planner.explain(workflow)
-
-    # ------------------------------------------------------------------ replication
-
-    @property
-    def cold_store(self):
-        """The disk tier (kvdb.cold.store.ColdStore), None when it is off (disk_bytes=0)."""
-        return self._cold
-
-    def push(self, keys, peer: str, *, durability: str = "sync"):
-        """Send the stored blocks of ``keys`` to ``peer`` ("host:port" of a ``kvdb replicate
-        serve`` node or a Db with replication); returns when they are durable there."""
-        self._check()
-        if durability not in DURABILITIES:
-            raise InvalidInput(f"durability must be one of {DURABILITIES}, got {durability!r}")
-        return self._need_replicator().push(normalize_keys(keys), peer, durability=durability)
-
-    def sync_replicas(self, timeout_s: float = 30.0) -> int:
-        """Wait until every follower confirmed everything written so far; returns that LSN.
-        ReplicationError names the followers still behind after ``timeout_s``."""
-        self._check()
-        return self._need_replicator().sync_replicas(timeout_s)
-
-    def replication_status(self) -> dict:
-        self._check()
-        return self._need_replicator().status()
-
-    def _need_replicator(self):
-        if self._replicator is None:
-            raise InvalidInput("this Db has no replication: open it with replication_secret_file= (and peers= / replicas=)")
-        return self._replicator
 
     # ------------------------------------------------------------------ stats
 
