@@ -57,7 +57,15 @@ from pathlib import Path
 import numpy as np
 
 from kvdb import native
-from kvdb.errors import CapacityError, CorruptionError, DbFailedError, InvalidInput, StorageIOError
+from kvdb.cold.codec import Sealer, aad, decode_page, encode_page, read_key_file
+from kvdb.cold.index import Index
+from kvdb.errors import (
+    CapacityError,
+    CorruptionError,
+    DbFailedError,
+    InvalidInput,
+    StorageIOError,
+)
 from kvdb.format import index_value as iv
 from kvdb.format.record import (
     CODEC_NAMES,
@@ -68,6 +76,7 @@ from kvdb.format.record import (
     PUT_PAYLOAD_OFFSET,
     RECORD_HEADER,
     RECORD_HEADER_BYTES,
+    SEGMENT_HEADER_BYTES,
     Codec,
     RecordType,
     buffer_bytes,
@@ -75,20 +84,17 @@ from kvdb.format.record import (
     decode_delete,
     decode_meta,
     decode_put,
+    decode_segment_header,
     encode_checkpoint,
     encode_delete,
     encode_meta,
     encode_put_fixed,
-    SEGMENT_HEADER_BYTES,
-    decode_segment_header,
     segment_name,
 )
 from kvdb.types import KEY_BYTES
 from kvdb.wal.fs import IOV_MAX, OsFs
 from kvdb.wal.recovery import list_segments, recover
 from kvdb.wal.writer import LogWriter
-from kvdb.cold.codec import Sealer, aad, decode_page, encode_page, read_key_file
-from kvdb.cold.index import Index
 
 _allocate_lock = threading.Lock
 
@@ -162,9 +168,7 @@ class ColdStore:
         self._gq: list[list] = []  # [items, wake-up lock, leads, error] of waiting group puts
         self._gq_busy = False  # a writer is leading the queue (or the lead is being handed on)
         self._gq_expect = 1  # size of the last committed batch
-        self._gq_want = 0  # the leader waits until this many puts are queued ...
-        self._gq_gate = _allocate_lock()  # ... on this lock (held = closed)
-        self._gq_gate.acquire()
+        self._gq_want = 0  # a gathering leader waits until this many puts are queued
         self.max_gather_s = 0.0005
         try:
             self._fs.makedirs(self.wal_dir)
@@ -382,30 +386,56 @@ class ColdStore:
         """A ``group`` put joins the commit queue (LevelDB's writer queue): the writer at its
         front appends every queued batch, fsyncs once for all of them and wakes their
         writers; the others neither take ``writer.lock`` nor write, they only sleep once.
-        While one leader fsyncs the next batches queue up, so each fsync covers the writers
-        that arrived during the one before."""
+
+        The leader first gathers: it waits (at most ``max_gather_s``) until as many puts are
+        queued as its previous batch had -- their writers are on their way back -- so that one
+        fsync covers them all. It waits on its own wake-up lock, and the put that completes
+        the count takes the lead over at once (it is running already; waking the gatherer
+        would put one more thread switch in series with everyone's commit)."""
         req = [items, _allocate_lock(), False, None]  # batch, wake-up lock, lead, error
         req[1].acquire()
         with self._gq_mu:
             self._gq.append(req)
-            lead = not self._gq_busy
-            self._gq_busy = True
-            if self._gq_want and len(self._gq) >= self._gq_want:
-                self._gq_want = 0
-                self._gq_gate.release()  # the leader was waiting for this batch
+            if not self._gq_busy:
+                self._gq_busy = True
+                lead, gathered = True, False
+            elif self._gq_want and len(self._gq) >= self._gq_want:
+                self._gq_want = 0  # the gatherer is a follower in this batch now
+                lead, gathered = True, True
+            else:
+                lead = False
         if not lead:
-            req[1].acquire()  # released when the batch is durable, failed, or the lead is ours
-            if not req[2]:
-                if req[3] is not None:
-                    self._check()
-                    raise req[3]
-                return
-        self._lead_group(req)
+            self._follow(req)
+        else:
+            self._lead_group(req, gathered)
 
-    def _lead_group(self, mine: list) -> None:
-        """Commit the queue in one batch, then pass the lead to the queue's front (a leader
-        that went on committing would starve its own caller)."""
-        self._gather(self._gq_expect)
+    def _follow(self, req: list) -> None:
+        req[1].acquire()  # released when the batch is durable or failed, or the lead is ours
+        if req[2]:
+            req[2] = False
+            self._lead_group(req, False)
+        elif req[3] is not None:
+            self._check()
+            raise req[3]
+
+    def _lead_group(self, mine: list, gathered: bool) -> None:
+        """Gather, commit the queue in one batch, then pass the lead to the queue's front (a
+        leader that went on committing would starve its own caller)."""
+        if not gathered:
+            with self._gq_mu:
+                if len(self._gq) < self._gq_expect:
+                    self._gq_want = self._gq_expect
+                    gathered = None  # wait below
+            if gathered is None:
+                if mine[1].acquire(timeout=self.max_gather_s):
+                    self._follow_done(mine)  # taken over, and already committed
+                    return
+                with self._gq_mu:
+                    taken = self._gq_want == 0
+                    self._gq_want = 0
+                if taken:
+                    self._follow(mine)
+                    return
         with self._gq_mu:
             batch, self._gq = self._gq, []
         err: BaseException | None = None
@@ -438,18 +468,10 @@ class ColdStore:
         if len(self._queue) >= APPLY_BATCH:
             self._apply(durable)
 
-    def _gather(self, n: int) -> None:
-        """Leader: wait (at most ``max_gather_s``) until ``n`` puts are queued -- as many as
-        the last batch had, whose writers are on their way back -- so that one fsync covers
-        them all. No spinning: a timed lock wait that the n-th arrival opens."""
-        with self._gq_mu:
-            if len(self._gq) >= n:
-                return
-            self._gq_want = n
-        self._gq_gate.acquire(timeout=self.max_gather_s)
-        with self._gq_mu:
-            self._gq_want = 0
-            self._gq_gate.acquire(blocking=False)  # closed again, whether or not it opened
+    def _follow_done(self, req: list) -> None:
+        if req[3] is not None:
+            self._check()
+            raise req[3]
 
     def _encode(self, keys, pages, positions, namespace_id: int) -> list:
         items = []

@@ -35,18 +35,19 @@ Locks
 from __future__ import annotations
 
 import os
+import struct
 import threading
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from kvdb.errors import DbFailedError, StorageIOError
-from kvdb.format.record import SEGMENT_HEADER_BYTES, buffer_bytes, encode_header, encode_segment_header, segment_name
+from kvdb.format.record import RECORD_HEADER_BYTES, SEGMENT_HEADER_BYTES, buffer_bytes, encode_header, encode_segment_header, segment_name
 from kvdb.wal.fs import OsFs
 
 _allocate_lock = threading.Lock
+_CRC = struct.Struct("<I")  # a record header's crc field (bytes 4..8)
 
 
-@dataclass(frozen=True)
-class Location:
+class Location(NamedTuple):  # a tuple: built once per record on the append path
     segment_no: int
     offset: int
     record_bytes: int
@@ -150,25 +151,28 @@ class LogWriter:
         locs: list[Location] = []
         bufs: list = []
         pending = 0
+        seg = self._active
+        limit = self.segment_bytes
         try:
             for rtype, parts in records:
-                body_bytes = sum(buffer_bytes(p) for p in parts)
-                header = encode_header(rtype, self.next_lsn, parts, body_bytes)
-                nbytes = len(header) + body_bytes
-                seg = self._active
-                if seg.offset + pending + nbytes > self.segment_bytes and seg.offset + pending > SEGMENT_HEADER_BYTES:
+                body_bytes = 0
+                for p in parts:
+                    body_bytes += buffer_bytes(p)
+                lsn = self.next_lsn
+                header = encode_header(rtype, lsn, parts, body_bytes)
+                nbytes = RECORD_HEADER_BYTES + body_bytes
+                if seg.offset + pending + nbytes > limit and seg.offset + pending > SEGMENT_HEADER_BYTES:
                     if bufs:
                         self.fs.writev(seg.fd, seg.path, bufs, pending)
                         seg.offset += pending
                         bufs, pending = [], 0
                     self._rotate()
                     seg = self._active
-                crc = int.from_bytes(header[4:8], "little")
-                locs.append(Location(seg.segment_no, seg.offset + pending, nbytes, crc, self.next_lsn))
+                locs.append(Location(seg.segment_no, seg.offset + pending, nbytes, _CRC.unpack_from(header, 4)[0], lsn))
                 bufs.append(header)
                 bufs.extend(parts)
                 pending += nbytes
-                self.next_lsn += 1
+                self.next_lsn = lsn + 1
             if bufs:
                 self.fs.writev(self._active.fd, self._active.path, bufs, pending)
                 self._active.offset += pending
