@@ -205,14 +205,15 @@ class LogWriter:
                     self.fs.close(seg.fd)
         return target
 
-    def _raise_failed(self, e: BaseException) -> None:
+    def _failure(self, e: BaseException) -> BaseException:
+        """Mark the log failed by ``e`` (an OSError becomes StorageIOError) before anyone is
+        woken: a waiter must never retry an fsync after one failed (the kernel may have
+        dropped the dirty pages, so a later fsync can succeed without them)."""
         err = e
         if isinstance(e, OSError):
             err = StorageIOError(f"fsync of the log in {self.wal_dir} failed: {e}")
         self.fail(err)
-        if err is e:
-            raise
-        raise err from e
+        return err
 
     def sync_to(self, lsn: int, own: bool = False, notify: bool = True) -> int:
         """Return once every record up to ``lsn`` is fsynced (W2); returns the durable lsn.
@@ -222,7 +223,10 @@ class LogWriter:
             try:
                 target = self._fsync_active()
             except BaseException as e:
-                self._raise_failed(e)
+                err = self._failure(e)
+                if err is e:
+                    raise
+                raise err from e
             with self._mu:
                 self.num_fsyncs += 1
                 self._publish(target)
@@ -258,19 +262,21 @@ class LogWriter:
         rounds = 0
         target = self.durable_lsn
         while True:
+            synced = False
             try:
                 if self.next_lsn - 1 > self.durable_lsn:
                     target = self._fsync_active()
+                    synced = True
                     rounds += 1
             except BaseException as e:
+                err = self._failure(e)  # wakes the waiters, who see the failure
                 with mu:
                     self._syncing = False
-                    waiters, self._waiters = self._waiters, []
-                for w in waiters:
-                    w[1].release()  # they see the failure
-                self._raise_failed(e)
+                if err is e:
+                    raise
+                raise err from e
             mu.acquire()
-            if rounds:
+            if synced:
                 self.num_fsyncs += 1
             self._publish(target)
             durable = self.durable_lsn

@@ -1,6 +1,7 @@
-"""The group commit queue of ColdStore (``group`` puts from many threads share one append and
-one fsync). The file layer's fsync is held open by a fault-injecting OsFs, so which writers
-share which fsync is decided by the test, not by thread timing."""
+"""Group commit: the queue of ColdStore (``group`` puts from many threads share one append and
+one fsync) and the LogWriter's waiters. The file layer's fsync is held open by a
+fault-injecting OsFs, so which writers share which fsync is decided by the test, not by thread
+timing."""
 
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ import pytest
 
 from kvdb.cold.store import ColdStore
 from kvdb.errors import DbFailedError, StorageIOError
+from kvdb.format.record import RecordType, encode_meta
 from kvdb.wal.fs import OsFs
+from kvdb.wal.writer import LogWriter
 
 from cold_fixtures import TINY, key, pages_for
 
@@ -188,3 +191,60 @@ def test_many_writers_with_deletes_and_sync_puts_all_commit_and_read_back(tmp_pa
         assert store.contains(doomed) == [False] * len(doomed)
         assert store.stats()["pages"] == len(kept)
         assert store.verify().ok
+
+
+class FailingHeldSyncFs(OsFs):
+    """After ``arm()``, the next fsync waits for ``release`` and then fails with EIO."""
+
+    def __init__(self) -> None:
+        self.armed = False
+        self.entered = threading.Event()
+        self.release = threading.Event()
+        self.syncs_after_arm = 0
+
+    def sync(self, fd: int, path: str) -> None:
+        if not self.armed:
+            return super().sync(fd, path)
+        self.syncs_after_arm += 1
+        if self.syncs_after_arm == 1:
+            self.entered.set()
+            assert self.release.wait(30)
+            raise OSError(errno.EIO, "injected fsync error")
+        return super().sync(fd, path)
+
+
+def test_a_writer_waiting_on_a_failed_fsync_fails_and_never_fsyncs_again(tmp_path):
+    # Scenario: writer A's group fsync is in flight when writer B appends and waits for it;
+    # the fsync fails. A gets the StorageIOError, B DbFailedError, and nobody retries the
+    # fsync (after a failed fsync the kernel may have dropped the pages: a retry could
+    # "succeed" and acknowledge records that are gone).
+    fs = FailingHeldSyncFs()
+    (tmp_path / "wal").mkdir()
+    w = LogWriter(fs, str(tmp_path / "wal"), segment_no=1, offset=0, next_lsn=1, segment_bytes=1 << 20)
+    fs.armed = True
+    outcome: dict = {}
+
+    def writer(name: str) -> None:
+        with w.lock:
+            (loc,) = w.append([(RecordType.SESSION, [encode_meta(name.encode(), b"v")])])
+        try:
+            w.sync_to(loc.lsn)
+            outcome[name] = "ok"
+        except DbFailedError:
+            outcome[name] = "failed"
+        except StorageIOError as e:
+            outcome[name] = f"io error: {errno.errorcode[e.__cause__.errno]}"
+
+    a = threading.Thread(target=writer, args=("a",))
+    a.start()
+    assert fs.entered.wait(30)
+    b = threading.Thread(target=writer, args=("b",))
+    b.start()
+    _wait_for(lambda: len(w._waiters) == 1, "writer b to wait for the fsync")
+    fs.release.set()
+    a.join(30)
+    b.join(30)
+    assert outcome == {"a": "io error: EIO", "b": "failed"}
+    assert fs.syncs_after_arm == 1
+    assert w.durable_lsn == 0
+    w.close()
