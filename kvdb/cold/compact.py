@@ -25,7 +25,6 @@ import os
 import struct
 import time
 
-from kvdb.errors import StorageIOError
 from kvdb.format import index_value as iv
 from kvdb.format.record import SEGMENT_HEADER_BYTES, RecordType, check_record, decode_put, segment_name
 from kvdb.types import KEY_BYTES
@@ -56,18 +55,11 @@ def compact(store, progress=None, *, min_dead_fraction: float = 0.0, now_ns: int
     Returns counts: segments_before/after, segments_deleted, records_copied, bytes_copied,
     bytes_reclaimed, damaged_records. An I/O error fails the store (C5)."""
     store._check()
-    try:
+    with store.sticky_io("compaction"):
         expired = expire(store, now_ns)
         out = _compact(store, progress, min_dead_fraction)
         out["ttl_expired"] = expired
         return out
-    except StorageIOError as e:
-        store._fail(e)
-        raise
-    except OSError as e:
-        err = StorageIOError(f"compaction of {store.path} failed: {e}")
-        store._fail(err)
-        raise err from e
 
 
 def _compact(store, progress, min_dead_fraction: float) -> dict:

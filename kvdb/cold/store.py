@@ -49,6 +49,7 @@ finds a segment wholly dead (deleted at once) or ``compact`` copies the live res
 from __future__ import annotations
 
 import collections
+import contextlib
 import concurrent.futures
 import os
 import threading
@@ -308,6 +309,20 @@ class ColdStore:
             raise DbFailedError(f"the cold store at {self.path} failed earlier ({self._failed}); "
                                 "close it and open it again") from None
 
+    @contextlib.contextmanager
+    def sticky_io(self, what: str):
+        """An I/O error inside puts the store in the sticky failed state (STYLE.md "Errors"):
+        a StorageIOError passes as is, a bare OSError becomes one naming ``what``."""
+        try:
+            yield
+        except StorageIOError as e:
+            self._fail(e)
+            raise
+        except OSError as e:
+            err = StorageIOError(f"{what} of {self.path} failed: {e}")
+            self._fail(err)
+            raise err from e
+
     def _fail(self, exc: BaseException) -> None:
         if self._failed is None:
             self._failed = exc
@@ -497,11 +512,7 @@ class ColdStore:
             if evict:
                 records.append((RecordType.DELETE, [encode_delete(evict)]))
             records.extend((RecordType.PUT_BLOCK, [fixed, payload]) for _k, fixed, payload in items)
-            try:
-                locs = w.append(records)
-            except StorageIOError as e:
-                self._fail(e)
-                raise
+            locs = w.append(records)  # an I/O error fails the writer; _check adopts it
             if evict:
                 self._note_delete(locs[0].lsn, evict)
                 locs = locs[1:]
@@ -521,11 +532,7 @@ class ColdStore:
                 return last
             self._check()
             items = [it for b in batches for it in b]
-            try:
-                locs = w.append([(RecordType.PUT_BLOCK, [fixed, payload]) for _k, fixed, payload in items])
-            except StorageIOError as e:
-                self._fail(e)
-                raise
+            locs = w.append([(RecordType.PUT_BLOCK, [fixed, payload]) for _k, fixed, payload in items])  # an I/O error fails the writer; _check adopts it
             self._note_puts(items, locs)
             return w.next_lsn - 1
 
@@ -599,11 +606,7 @@ class ColdStore:
             live = [k for k in dict.fromkeys(keys) if k in self._live]
             if not live:
                 return 0
-            try:
-                (loc,) = w.append([(RecordType.DELETE, [encode_delete(live)])])
-            except StorageIOError as e:
-                self._fail(e)
-                raise
+            (loc,) = w.append([(RecordType.DELETE, [encode_delete(live)])])  # an I/O error fails the writer; _check adopts it
             self._note_delete(loc.lsn, live)
             self._ckpt_log_bytes += loc.record_bytes
             self._counters["deletes"] += len(live)
@@ -620,11 +623,7 @@ class ColdStore:
         w = self._writer
         with w.lock:
             self._check()
-            try:
-                (loc,) = w.append([(rtype, [encode_meta(bytes(name), bytes(value))])])
-            except StorageIOError as e:
-                self._fail(e)
-                raise
+            (loc,) = w.append([(rtype, [encode_meta(bytes(name), bytes(value))])])  # an I/O error fails the writer; _check adopts it
             self._queue.append((loc.lsn, iv.record_meta_key(rtype, bytes(name)), bytes(value) or None, None))
             self._ckpt_log_bytes += loc.record_bytes
         self._make_durable(loc.lsn, durability or self.default_durability)
@@ -642,9 +641,6 @@ class ColdStore:
             return
         try:
             self._writer.sync_to(lsn, own=(durability == "sync"))
-        except StorageIOError as e:
-            self._fail(e)
-            raise
         except BaseException as e:
             self._fail(e)
             raise
@@ -691,7 +687,7 @@ class ColdStore:
         w = self._writer
         with w.lock:
             seg, off, last = w.segment_no, w.offset, w.next_lsn - 1
-        try:
+        with self.sticky_io("checkpoint"):
             w.sync_to(last)
             self._apply(last)
             with self._stats_lock:
@@ -707,13 +703,6 @@ class ColdStore:
             self._ckpt_lsn = last
             self._count(checkpoints=1)
             self._drop_dead_segments(seg)
-        except StorageIOError as e:
-            self._fail(e)
-            raise
-        except OSError as e:
-            err = StorageIOError(f"checkpoint of {self.path} failed: {e}")
-            self._fail(err)
-            raise err from e
 
     def _drop_dead_segments(self, before: int) -> list[int]:
         floor = self._retention() if self._retention is not None else None
