@@ -38,7 +38,7 @@ import hmac
 import os
 import secrets
 import threading
-from concurrent.futures import ThreadPoolExecutor
+import time
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -51,6 +51,7 @@ from kvdb.buffer_pool.pool import DEVICE, HOST, BufferPool, Tier
 from kvdb.buffer_pool.replacer import AccessContext, Replacer
 from kvdb.db.handles import PinnedPages
 from kvdb.db.landing import LandingMixin
+from kvdb.db.mover import Mover
 from kvdb.db.replication import ReplicationMixin
 from kvdb.db.sessions import SessionsMixin
 from kvdb.errors import (
@@ -112,8 +113,12 @@ class Db(SessionsMixin, LandingMixin, ReplicationMixin):
         replicas: Sequence[str] = (),
         replication_secret_file: str | os.PathLike | None = None,
         replication_transport: str | None = None,
+        clock: Callable[[], float] | None = None,
     ) -> None:
         self.path = Path(path)
+        # the time base of sessions, hints and planned moves (monotone seconds); injectable so
+        # tests and simulated timelines can drive plans without sleeping
+        self._clock: Callable[[], float] = clock if clock is not None else time.monotonic
         self._state = "opening"
         self._failure: BaseException | None = None
         self._lock = threading.RLock()
@@ -232,12 +237,14 @@ class Db(SessionsMixin, LandingMixin, ReplicationMixin):
         self.pool = BufferPool(layout, host_frames=host_frames, device_frames=device_frames, device=dev,
                                make_replacer=factory, spill=self._spill)
         # the planner sees sessions, workflows and hints and informs every tier's replacer
-        self.planner = Planner(replacers=[t.replacer for t in self.pool.tiers if t is not None])
+        self.planner = Planner(replacers=[t.replacer for t in self.pool.tiers if t is not None], clock=self._clock)
         self._lookup_misses = 0
         self._reads = [0, 0, 0]  # device, host, disk
         self._disk_hits = 0
-        # the background mover: one thread, so moves apply in submission order
-        self._mover = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvdb-mover")
+        # the background mover: one thread, so moves apply in submission order; it also runs
+        # the plan's timed moves (kvdb/db/sessions.py)
+        self._mover = Mover(self._clock)
+        self._init_plans()
         self._room_pending = False
         self._device_free_target = int(device_frames * device_free_fraction)
         self._cold = None
@@ -381,6 +388,8 @@ class Db(SessionsMixin, LandingMixin, ReplicationMixin):
         if tier not in (None, "disk"):
             raise InvalidInput(f"tier must be None or 'disk', got {tier!r}")
         durability = self._check_durability(durability, to_disk=tier == "disk")
+        if ctx is not None:
+            self._note_call_keys(ctx, keys)
 
         def place(rows: list[int], dirty: bool) -> None:
             if not rows:
@@ -498,6 +507,7 @@ class Db(SessionsMixin, LandingMixin, ReplicationMixin):
         self._check()
         keys = normalize_keys(keys)
         with self._lock:
+            self._unprotect(keys)
             found = [self.pool.delete(k) for k in keys]
         if self._cold is not None:
             on_disk = self._cold_call(self._cold.contains, keys)
@@ -537,6 +547,8 @@ class Db(SessionsMixin, LandingMixin, ReplicationMixin):
             if not peek:
                 self._count_lookup(mem_hits, disk_hits, total < len(keys))
                 self.pool.touch(keys[:total], ctx)
+                if ctx is not None:
+                    self._note_call_keys(ctx, keys)
         if total < len(keys) and not peek and self._replicator is not None and self._replicator.peer_addrs:
             # a local miss may be served by a peer: fetched blocks are stored here, then counted
             now = self._replicator.fetch_missing(keys, local=total)
@@ -726,6 +738,7 @@ class Db(SessionsMixin, LandingMixin, ReplicationMixin):
     def _maybe_make_room(self) -> None:
         """After a put: keep the device tier's free frames at its watermark, in the background,
         so the next put into the device tier does not wait for a demotion. Called under _lock."""
+        self._plan_pressure()
         dev = self.pool.tiers[DEVICE]
         if dev is None or self._room_pending or len(dev.free) >= self._device_free_target:
             return
@@ -777,6 +790,7 @@ class Db(SessionsMixin, LandingMixin, ReplicationMixin):
             out["remote_hits"] = self._remote_hits
             out["sessions"] = self.planner.num_sessions
             out["hints"] = dict(self.planner.outcome_counts)
+            out["plans"] = self._plans_stats()
             return out
 
 

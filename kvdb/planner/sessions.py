@@ -34,6 +34,15 @@ from kvdb.planner.workflow import Workflow
 
 
 @dataclass
+class CallContext(AccessContext):
+    """The AccessContext of one call from ``call_started``: also names the agent and node, so
+    the engine can tell which agent's chain the call's blocks form (kvdb/db/sessions.py)."""
+
+    agent_id: str | None = None
+    node_id: str | None = None
+
+
+@dataclass
 class Session:
     session_id: str
     tenant: str | None
@@ -69,6 +78,10 @@ class Planner:
     def _now(self, now_s: float | None) -> float:
         return self._clock() if now_s is None else float(now_s)
 
+    def now(self, now_s: float | None = None) -> float:
+        """``now_s`` when given, else the planner's clock (the engine's time base)."""
+        return self._now(now_s)
+
     def _emit(self, event: Any) -> None:
         for r in self._replacers:
             r.on_event(event)
@@ -103,6 +116,18 @@ class Planner:
         for o in outcomes:
             self.outcome_counts[o.status] += 1
 
+    def check_call_hints(self, hints: Mapping[str, Any]) -> list[HintOutcome]:
+        """Validate and count hints that come with a call's end (``call_finished``)."""
+        _, outcomes = check_hints(hints)
+        self._record(outcomes)
+        return outcomes
+
+    def revise(self, old: HintOutcome, new: HintOutcome) -> None:
+        """The engine changed a hint's outcome after looking at it (an unknown prefix_hash is
+        clipped): the counts follow."""
+        self.outcome_counts[old.status] -= 1
+        self.outcome_counts[new.status] += 1
+
     def hint(self, session_id: str, *, now_s: float | None = None, **hints: Any) -> list[HintOutcome]:
         """Advisory hints between calls; each gets an outcome (accepted / clipped / rejected)."""
         s = self.get_session(session_id)
@@ -133,7 +158,9 @@ class Planner:
                     agent_id = s.workflow.nodes[node_id].agent_id
             tenant = tenant if tenant is not None else s.tenant
         self._emit(CallStarted(session_id, now, node_id, agent_id, usable))
-        return AccessContext(now_s=now, session_id=session_id, tenant=tenant, positions=positions, hints=usable), outcomes
+        ctx = CallContext(now_s=now, session_id=session_id, tenant=tenant, positions=positions, hints=usable,
+                          agent_id=agent_id, node_id=node_id)
+        return ctx, outcomes
 
     def call_finished(self, session_id: str | None, *, node_id: str | None = None, agent_id: str | None = None,
                       hints: Mapping[str, Any] | None = None, now_s: float | None = None) -> None:

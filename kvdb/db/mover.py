@@ -1,0 +1,147 @@
+"""The Db's background mover: one thread that runs page moves in order, and a heap of timers.
+
+Two kinds of work, both run on the one thread (so moves never race each other):
+
+* **jobs** (``submit``): prefetch / offload / make-room requests; run in submission order.
+* **timers** (``schedule``): jobs with a due time on the Db's clock -- the planner's prefetch
+  deadlines (kvdb/db/sessions.py). A timer runs once its due time has come, before any job
+  submitted after that moment; a cancelled timer never runs.
+
+Why one thread with a heap rather than a thread (or a ``threading.Timer``) per session: an
+engine holds thousands of waiting agents, and a move must never overlap another move of the
+same pages. The thread sleeps until the earliest due time, but at most ``MAX_SLEEP_S``: the
+clock may be injected (tests, the demo's virtual clock) and jump without telling anyone;
+``poke`` wakes it at once and ``run_due`` waits until everything due has run.
+
+Lock order: ``_cv`` guards the queue and the heap only and is never held while a job runs,
+so jobs may take the Db's lock (and submit or schedule more work) freely.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import threading
+from collections import deque
+from concurrent.futures import Future
+from typing import Any, Callable
+
+MAX_SLEEP_S = 0.5
+
+
+class Timer:
+    """A handle to a scheduled job; ``cancel()`` is idempotent and safe from any thread."""
+
+    __slots__ = ("args", "cancelled", "due_s", "fn", "ran")
+
+    def __init__(self, due_s: float, fn: Callable, args: tuple) -> None:
+        self.due_s = due_s
+        self.fn = fn
+        self.args = args
+        self.cancelled = False
+        self.ran = False
+
+    def cancel(self) -> bool:
+        """True when the job will not run (it had not started)."""
+        if self.ran:
+            return False
+        self.cancelled = True
+        return True
+
+
+class Mover:
+    def __init__(self, clock: Callable[[], float], name: str = "kvdb-mover") -> None:
+        self._clock = clock
+        self._cv = threading.Condition()
+        self._jobs: deque[tuple[Callable, tuple, Future]] = deque()
+        self._timers: list[tuple[float, int, Timer]] = []
+        self._seq = itertools.count()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable, *args: Any) -> Future:
+        fut: Future = Future()
+        with self._cv:
+            if self._closed:
+                raise RuntimeError("the mover is shut down")
+            self._jobs.append((fn, args, fut))
+            self._cv.notify()
+        return fut
+
+    def schedule(self, due_s: float, fn: Callable, *args: Any) -> Timer:
+        t = Timer(float(due_s), fn, args)
+        with self._cv:
+            if self._closed:
+                t.cancelled = True
+                return t
+            heapq.heappush(self._timers, (t.due_s, next(self._seq), t))
+            self._cv.notify()
+        return t
+
+    def poke(self) -> None:
+        """The clock may have moved: look at the timers now."""
+        with self._cv:
+            self._cv.notify()
+
+    def run_due(self) -> None:
+        """Wait until every timer due by now and every job submitted before this call ran."""
+        if threading.current_thread() is self._thread:
+            return  # called from a job: it cannot wait for itself
+        self.submit(_nothing).result()
+
+    @property
+    def num_timers(self) -> int:
+        with self._cv:
+            return sum(1 for _, _, t in self._timers if not t.cancelled)
+
+    def _next(self) -> tuple[Callable, tuple, Future | None] | None:
+        with self._cv:
+            while True:
+                while self._timers and self._timers[0][2].cancelled:
+                    heapq.heappop(self._timers)
+                now = self._clock()
+                if self._timers and self._timers[0][0] <= now:
+                    t = heapq.heappop(self._timers)[2]
+                    t.ran = True
+                    return t.fn, t.args, None
+                if self._jobs:
+                    return self._jobs.popleft()
+                if self._closed:
+                    return None
+                wait = MAX_SLEEP_S
+                if self._timers:
+                    wait = min(wait, max(0.0, self._timers[0][0] - now))
+                self._cv.wait(wait)
+
+    def _run(self) -> None:
+        while True:
+            item = self._next()
+            if item is None:
+                return
+            fn, args, fut = item
+            if fut is not None and not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                r = fn(*args)
+            except BaseException as e:  # noqa: BLE001 - handed to the waiter; timers have none
+                if fut is not None:
+                    fut.set_exception(e)
+            else:
+                if fut is not None:
+                    fut.set_result(r)
+
+    def shutdown(self, wait: bool = True) -> None:
+        """Run the queued jobs, drop the timers, stop the thread."""
+        with self._cv:
+            self._closed = True
+            for _, _, t in self._timers:
+                t.cancelled = True
+            self._timers.clear()
+            self._cv.notify()
+        if wait and threading.current_thread() is not self._thread:
+            self._thread.join()
+
+
+def _nothing() -> None:
+    return None
