@@ -38,27 +38,39 @@ def _parse_layout(text: str | None):
 @click.option("--node", default=None, help="this node's name (default: its address)")
 @click.option("--host-bytes", default=1 << 30, show_default=True, help="host tier capacity")
 @click.option("--disk-bytes", default=None, type=int, help="disk tier capacity (0: memory only; default: the Db's)")
+@click.option("--encryption-key-file", default=None, type=click.Path(dir_okay=False),
+              help="AES-256 key of the disk tier (a follower of an encrypted leader needs the leader's key)")
 @click.option("--layout", "layout_json", default=None, help="layout JSON for a new data directory")
 @click.option("--model-id", default=None, help="model id for a new data directory")
 @click.option("--replica", "replicas", multiple=True, help="HOST:PORT of a follower to ship this node's log to")
 @json_option
-def serve_cmd(db_path, listen, secret_file, transport, node, host_bytes, disk_bytes, layout_json, model_id,
-              replicas, as_json) -> None:
+def serve_cmd(db_path, listen, secret_file, transport, node, host_bytes, disk_bytes, encryption_key_file,
+              layout_json, model_id, replicas, as_json) -> None:
     """Own the Db at --db and serve pushes, lookups and log streams until SIGTERM / SIGINT;
-    with --replica, also ship this node's log to those followers."""
+    with --replica, also ship this node's log to those followers. A follower behind its
+    leader's log is re-seeded from a copy (not a node that is itself a leader)."""
     import kvdb
     from kvdb.replication.channel import load_secret
     from kvdb.replication.node import NodeServer
-    from kvdb.replication.shipping import LogSink
+    from kvdb.replication.reseed import finish_swap
+    from kvdb.replication.sink import LogSink
 
     secret = load_secret(secret_file)
-    kw = {"host_bytes": host_bytes}
+    kw = {}
     if disk_bytes is not None:
         kw["disk_bytes"] = disk_bytes
-    db = kvdb.open(db_path, layout=_parse_layout(layout_json), model_id=model_id, **kw)
+    if encryption_key_file is not None:
+        kw["encryption_key_file"] = encryption_key_file
+
+    def reopen(path=db_path, host_bytes=host_bytes):  # the Db, or a re-seed's staging copy of it
+        return kvdb.open(path, host_bytes=host_bytes, **kw)
+
+    finish_swap(db_path)  # a re-seed interrupted by a crash: roll it forward or drop it
+    db = kvdb.open(db_path, layout=_parse_layout(layout_json), model_id=model_id, host_bytes=host_bytes, **kw)
     done = threading.Event()
+    server = None
     try:
-        sink = LogSink.for_db(db)
+        sink = LogSink.for_db(db, reopen=None if replicas else reopen)
         server = NodeServer(db, listen, secret, node=node, transport=transport, sink=sink)
         rep = None
         if replicas:
@@ -84,6 +96,8 @@ def serve_cmd(db_path, listen, secret_file, transport, node, host_bytes, disk_by
             rep.close()
     finally:
         db.close()
+        if server is not None and server.db is not db:  # re-seeded meanwhile
+            server.db.close()
     sys.stdout.flush()
     sys.stderr.flush()
     # the Transfer Engine's destructor may block for a second; the Db is closed, nothing is pending
@@ -111,13 +125,21 @@ def _render_status(s: dict, console) -> None:
     for k, v in sorted(s.get("counters", {}).items()):
         t.add_row(k, str(v))
     console.print(t)
-    if s.get("follower"):
-        console.print(f"follower: {s['follower']}")
+    fol = s.get("follower")
+    if fol:
+        rs = fol.get("reseed")
+        console.print(f"follower: {({k: v for k, v in fol.items() if k != 'reseed'})}")
+        if rs:
+            console.print(f"re-seeding: {rs['records_received']} of {rs['records_total']} records "
+                          f"({rs['bytes_received']} bytes) as of lsn {rs['snapshot_lsn']}, {rs['state']}")
     followers = s.get("followers") or []
     if followers:
-        ft = Table("follower", "confirmed_lsn", "lag_records", "state")
+        ft = Table("follower", "confirmed_lsn", "lag_records", "state", "reseed")
         for f in followers:
-            ft.add_row(str(f.get("addr")), str(f.get("confirmed_lsn")), str(f.get("lag_records")), str(f.get("state")))
+            rs = f.get("reseed")
+            prog = f"{rs['records_sent']}/{rs['records_total']} sent, {rs['records_confirmed']} applied" if rs else ""
+            ft.add_row(str(f.get("addr")), str(f.get("confirmed_lsn")), str(f.get("lag_records")), str(f.get("state")),
+                       prog)
         console.print(ft)
 
 

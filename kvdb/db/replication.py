@@ -45,6 +45,13 @@ class ReplicationMixin:
         self._check()
         return self._need_replicator().sync_replicas(timeout_s)
 
+    def reseed_replica(self, addr: str) -> None:
+        """Replace follower ``addr``'s state by a full copy of this Db, then stream the log from
+        there (also when it holds another leader's log); one only behind the log is re-seeded
+        without asking. Progress: ``replication_status()["followers"][i]["reseed"]``."""
+        self._check()
+        self._need_replicator().reseed(addr)
+
     def replication_status(self) -> dict:
         self._check()
         return self._need_replicator().status()

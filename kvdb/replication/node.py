@@ -30,6 +30,7 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
 import threading
@@ -61,6 +62,11 @@ class NodeServer:
         self.late_write_grace_s = float(late_write_grace_s)
         self.secret = secret
         self.sink = sink  # LogSink for shipped log records (None: this node refuses log streams)
+        if sink is not None:
+            sink.swap_db = self.swap_db  # a re-seed replaces the Db (reseed.py)
+        self._gate = threading.Condition()  # guards _db_users and _swapping
+        self._db_users = 0  # requests using self.db now
+        self._swapping = False
         self.leader_status = None  # callable -> [follower dicts] when this node ships its own log
         host, port = parse_addr(listen)
         self.region_max_bytes = int(region_max_bytes)
@@ -120,6 +126,44 @@ class NodeServer:
         if self._arena is not None:
             self.transport.unregister(self._arena)
             self._arena = None
+
+    @contextlib.contextmanager
+    def _db_use(self):
+        """Around each request that uses ``self.db``: waits while a re-seed swaps it."""
+        with self._gate:
+            while self._swapping:
+                self._gate.wait()
+            self._db_users += 1
+        try:
+            yield
+        finally:
+            with self._gate:
+                self._db_users -= 1
+                self._gate.notify_all()
+
+    def swap_db(self, reopen, keep: Channel | None = None):
+        """A re-seed (sink.py): wait for the requests in progress, close every other connection
+        (their pushes hold frames of this Db), close the Db, and serve ``reopen()``'s Db (which
+        swaps the directory and opens it again). Returns the new Db."""
+        with self._gate:
+            self._swapping = True
+            while self._db_users:
+                self._gate.wait()
+        try:
+            with self._lock:
+                chans = [c for c in self._channels if c is not keep]
+            for c in chans:
+                c.close()
+            if self._arena is not None:  # the old arena goes with the old Db
+                self.transport.unregister(self._arena)
+                self._arena = None
+            self.db.close()
+            self.db = reopen()
+            return self.db
+        finally:
+            with self._gate:
+                self._swapping = False
+                self._gate.notify_all()
 
     def debug_drop_connections(self) -> int:
         """Test hook: close every open connection (a network drop); the node keeps listening."""
@@ -181,7 +225,11 @@ class NodeServer:
                         log.warning("%s", e)
                     return
                 try:
-                    self._dispatch(ch, msg, state)
+                    if msg.type == MsgType.SHIP_HELLO:  # a stream for as long as it lasts; may swap the Db
+                        self._dispatch(ch, msg, state)
+                    else:
+                        with self._db_use():
+                            self._dispatch(ch, msg, state)
                 except _Refuse as e:
                     self._count("errors")
                     if e.code == ErrorCode.CORRUPT:
@@ -208,7 +256,7 @@ class NodeServer:
                 self.transport.unregister(t)
             if state.frames:  # N4: an engine write may still be on its way into them
                 held = list(state.frames.values())
-                timer = threading.Timer(self.late_write_grace_s, self._release_frames, args=(held,))
+                timer = threading.Timer(self.late_write_grace_s, self._release_frames, args=(held, state.frames_db))
                 timer.daemon = True
                 timer.start()
 
@@ -260,10 +308,10 @@ class NodeServer:
                                  "bytes": region.nbytes})
         return region
 
-    def _release_frames(self, held: list) -> None:
+    def _release_frames(self, held: list, db=None) -> None:
         for res in held:
             try:
-                self.db.release_frames(res)
+                (db or self.db).release_frames(res)
             except KvdbError:  # the Db closed meanwhile (its arena went with it) or already released
                 pass
 
@@ -273,8 +321,9 @@ class NodeServer:
         chunks = msg.meta.get("chunks")
         if not isinstance(chunks, list) or not chunks or any(not isinstance(c, int) or c <= 0 for c in chunks):
             raise _Refuse(ErrorCode.PROTOCOL, f"RESERVE_FRAMES needs block counts per chunk, got {chunks!r}")
-        self._release_frames(list(state.frames.values()))  # a previous push on this connection is over
+        self._release_frames(list(state.frames.values()), state.frames_db)  # a previous push is over
         state.frames.clear()
+        state.frames_db = self.db
         total = sum(chunks)
         page = self.db.layout.page_bytes
         reason = None
@@ -440,6 +489,7 @@ class _ConnState:
     region: Region | None = None  # its landing region
     staging: list = field(default_factory=list)  # registered buffer lookups are sent from
     frames: dict = field(default_factory=dict)  # chunk -> ReservedFrames of the current push
+    frames_db: object = None  # the Db those frames belong to (a re-seed may replace self.db)
 
 
 class _Refuse(Exception):

@@ -71,10 +71,16 @@ class MsgType(enum.IntEnum):
     LOOKUP = 20  # client -> server: {"keys", "fetch", "region"?}; blob: keys: longest stored prefix (+ blocks)
     LOOKUP_REPLY = 21  # server -> client: {"hits", "page_bytes", "via"?, "digests"?}; blob: blocks when inline
 
-    SHIP_HELLO = 30  # leader -> follower: {"leader", "durable_lsn", "page_bytes", "region_bytes"}
-    SHIP_POSITION = 31  # follower -> leader: {"applied_lsn", "region"}
+    SHIP_HELLO = 30  # leader -> follower: {"leader", "durable_lsn", "page_bytes", "region_bytes",
+    #                  "log_id", "seal_check"}
+    SHIP_POSITION = 31  # follower -> leader: {"applied_lsn", "log_id", "region", "reseed"}
     SHIP_RECORDS = 32  # leader -> follower: {"first_lsn", "last_lsn", "bytes", "inline", "offset"}
-    SHIP_ACK = 33  # follower -> leader: {"applied_lsn"}: durable on the follower
+    #                    or, inside a re-seed, {"reseed": true, "count", "bytes", "inline", "offset"}
+    SHIP_ACK = 33  # follower -> leader: {"applied_lsn"}: durable on the follower; inside a
+    #                re-seed {"reseed_records"}: that many snapshot records received
+    RESEED_BEGIN = 34  # leader -> follower: {"snapshot_lsn", "log_id", "records"}: a full copy follows
+    RESEED_END = 35  # leader -> follower: {"snapshot_lsn", "records"}; answered by SHIP_ACK
+    #                  {"applied_lsn": snapshot_lsn} once the copy replaced the follower's state
 
     PING = 40  # either way: {}
     PONG = 41

@@ -4,6 +4,7 @@ A Db opened with ``peers=`` / ``replicas=`` owns one Replicator and forwards to 
 
     db.push(keys, peer)            -> Replicator.push: pins the pages, sends them in place
     db.sync_replicas(timeout_s)    -> Replicator.sync_replicas: waits for every follower
+    db.reseed_replica(addr)        -> Replicator.reseed: replace a follower's state by a copy
     a local miss in match_prefix   -> Replicator.fetch_missing: asks the peers, stores the hits
     db.close()                     -> Replicator.close
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 import socket
 import threading
 
+from kvdb.cold.export import key_check
 from kvdb.errors import InvalidInput, KvdbError, ReplicationError
 from kvdb.replication.channel import load_secret
 from kvdb.replication.peer import Peer, PushResult
@@ -48,9 +50,11 @@ class Replicator:
             # replication slots: compaction keeps every segment a follower still needs (S4)
             log_source = log_source_for(db)  # checks that the Db has a log
             db.cold_store.set_retention(lambda: retained_lsn(state_dir))
+            # an encrypted log ships sealed; its key check tells a follower without the key (sink.py)
             self.shipper = LogShipper(log_source, list(replicas), self.secret,
                                       state_dir=db.path / "replication", node=self.node,
-                                      transport=transport, page_bytes=db.layout.page_bytes).start()
+                                      transport=transport, page_bytes=db.layout.page_bytes,
+                                      store=db.cold_store, seal_check=key_check(db.cold_store)).start()
 
     # ------------------------------------------------------------------ peers
 
@@ -122,6 +126,12 @@ class Replicator:
                 self.db.put_blocks(rest[:hits], blocks, durability="none")
                 return local + hits
         return local
+
+    def reseed(self, addr: str) -> None:
+        """Re-seed follower ``addr`` from a full copy (reseed.py), whatever log it holds."""
+        if self.shipper is None:
+            raise InvalidInput("this Db ships its log to no follower (open it with replicas=)")
+        self.shipper.reseed(addr)
 
     def status(self) -> dict:
         return {"node": self.node, "peers": list(self.peer_addrs),

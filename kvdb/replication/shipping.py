@@ -1,4 +1,5 @@
-"""Log shipping: a leader streams its log to followers, which apply it idempotently.
+"""Log shipping, leader side: a leader streams its log to followers, which apply it
+idempotently (the follower side is sink.py; re-seeding a follower from a copy is reseed.py).
 
 Records travel verbatim (the exact bytes of kvdb/format/record.py: header, crc32c, body), so
 the follower checks every record's own crc before applying it, whatever carried it.
@@ -6,8 +7,9 @@ the follower checks every record's own crc before applying it, whatever carried 
 Stream on one authenticated channel (leader connects to each follower)::
 
     leader                                         follower (NodeServer with a LogSink)
-      SHIP_HELLO {leader, last_lsn, page_bytes, region_bytes}  ->
-                                                   <- SHIP_POSITION {applied_lsn, region?}
+      SHIP_HELLO {leader, durable_lsn, page_bytes, region_bytes, log_id, seal_check}  ->
+                                                   <- SHIP_POSITION {applied_lsn, log_id, region?, reseed}
+      [RESEED_BEGIN ... RESEED_END: a full copy, when the follower is behind the log (reseed.py)]
       SHIP_RECORDS {first_lsn, last_lsn, bytes, inline|offset} [+ records]  ->
       SHIP_RECORDS ...  (at most two batches in flight; with the Transfer Engine the records
                          land in the follower's region halves, like a push)
@@ -16,10 +18,12 @@ Stream on one authenticated channel (leader connects to each follower)::
 Leader follower-thread states::
 
     connecting --handshake + SHIP_POSITION--> streaming --error / drop--> disconnected
+        |   └--behind the log, or reseed() asked--> reseeding --copy swapped in--> streaming
         ^                                                                      |
         └----------------------------- backoff (0.1 s .. 1 s) -----------------┘
     AuthError -> auth_failed (retried with the longest backoff);
-    follower behind the oldest retained record -> needs_reseed (stops retrying).
+    another leader's log, or ahead of this log (and no reseed() asked), or behind the log but
+    not re-seedable (memory-only) -> needs_reseed (stops retrying until reseed()).
 
 Invariants:
   S1. A follower acknowledges lsn L only after every record <= L is applied with the Db's
@@ -49,24 +53,20 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from kvdb.cold.codec import decode_page
-from kvdb.errors import AuthError, CorruptionError, KvdbError, ReplicationError
+from kvdb.cold.export import Snapshot
+from kvdb.errors import AuthError, CorruptionError, InvalidInput, KvdbError, ReplicationError
 from kvdb.format.record import (
-    FLAG_SEALED,
     RECORD_HEADER,
     RECORD_HEADER_BYTES,
     SEGMENT_HEADER_BYTES,
-    RecordType,
-    check_record,
-    decode_delete,
-    decode_put,
     decode_segment_header,
     parse_segment_name,
     segment_name,
 )
 from kvdb.replication.channel import Channel, connect
-from kvdb.replication.protocol import ErrorCode, Message, MsgType
-from kvdb.replication.transport import Region, Transport, get_transport
+from kvdb.replication.protocol import MsgType
+from kvdb.replication.reseed import snapshot_batches
+from kvdb.replication.transport import Transport, get_transport
 from kvdb.wal.fs import write_file_atomic
 from kvdb.wal.reader import map_file, scan_segment
 
@@ -266,7 +266,8 @@ class SegmentLogSource:
 
 
 class _Follower:
-    __slots__ = ("addr", "state", "confirmed_lsn", "sent_lsn", "error", "thread", "connects", "channel")
+    __slots__ = ("addr", "state", "confirmed_lsn", "sent_lsn", "error", "thread", "connects", "channel",
+                 "reseed", "reseed_asked", "reseeds")
 
     def __init__(self, addr: str, confirmed: int) -> None:
         self.addr = addr
@@ -277,6 +278,9 @@ class _Follower:
         self.thread: threading.Thread | None = None
         self.connects = 0
         self.channel: Channel | None = None  # the open stream, closed by stop() to unblock it
+        self.reseed: dict | None = None  # progress of a re-seed being sent (reseed.py)
+        self.reseed_asked = False  # LogShipper.reseed(): re-seed at the next connection whatever its position
+        self.reseeds = 0
 
 
 class LogShipper:
@@ -284,8 +288,10 @@ class LogShipper:
 
     def __init__(self, source: LogSource, replicas, secret: bytes, *, state_dir=None, node: str = "",
                  transport: Transport | str | None = None, batch_bytes: int = DEFAULT_BATCH_BYTES,
-                 page_bytes: int | None = None) -> None:
+                 page_bytes: int | None = None, store=None, seal_check: bytes | None = None) -> None:
         self.source = source
+        self.store = store  # the leader's ColdStore: re-seed snapshots (None: followers are not re-seeded)
+        self.seal_check = seal_check  # the log's encryption key check (None: not encrypted)
         self.secret = secret
         self.node = node
         self.state_dir = Path(state_dir) if state_dir is not None else None
@@ -345,8 +351,27 @@ class LogShipper:
         last = self.source.durable_lsn()
         with self._cond:
             return [{"addr": f.addr, "state": f.state, "confirmed_lsn": f.confirmed_lsn,
-                     "lag_records": max(0, last - f.confirmed_lsn), "error": f.error, "connects": f.connects}
+                     "lag_records": max(0, last - f.confirmed_lsn), "error": f.error, "connects": f.connects,
+                     "reseed": dict(f.reseed) if f.reseed else None, "reseeds": f.reseeds}
                     for f in self.followers]
+
+    def reseed(self, addr: str) -> None:
+        """Re-seed follower ``addr`` at its next connection (now: its stream is restarted), also
+        when it holds another leader's log or is ahead of this one (its state is replaced)."""
+        with self._cond:
+            f = next((x for x in self.followers if x.addr == addr), None)
+            if f is None:
+                raise InvalidInput(f"{addr} is not a follower of this leader ({[x.addr for x in self.followers]})")
+            if self.store is None:
+                raise InvalidInput("this leader cannot re-seed followers (it ships a log directory, not a Db)")
+            f.reseed_asked = True
+            ch = f.channel
+            restart = not self._stopping and (f.thread is None or not f.thread.is_alive())
+        if ch is not None:
+            ch.close()  # the running stream reconnects and re-seeds
+        if restart:
+            f.thread = threading.Thread(target=self._run, args=(f,), name=f"kvdb-ship-{f.addr}", daemon=True)
+            f.thread.start()
 
     def _save_slots(self, force: bool = False) -> None:
         if self.state_dir is None:
@@ -402,34 +427,92 @@ class LogShipper:
             engine = transport.can_write_to(ch.peer_meta.get("transport"))
             ch.send(MsgType.SHIP_HELLO, {"leader": self.node, "durable_lsn": self.source.durable_lsn(),
                                          "page_bytes": self.page_bytes, "log_id": self.log_id,
+                                         "seal_check": self.seal_check.hex() if self.seal_check else None,
                                          "region_bytes": 2 * self.batch_bytes if engine else 0})
             pos = ch.expect(MsgType.SHIP_POSITION).meta
             applied = int(pos.get("applied_lsn", 0))
             region = pos.get("region") if engine else None
             if engine and not region:
                 engine = False
-            theirs = pos.get("log_id")
-            if applied and self.log_id and theirs not in (None, "-", self.log_id):
-                raise _Reseed(f"follower {f.addr} has applied lsn {applied} of another leader log ({theirs}, this "
-                              f"one is {self.log_id}); re-seed it from a copy of this leader")
-            first, last = self.source.first_lsn(), self.source.durable_lsn()
-            if applied > last:
-                raise _Reseed(f"follower {f.addr} has applied lsn {applied} but this leader's log ends at {last}: "
-                              "the follower holds another history; re-seed it from a copy of the leader")
-            if applied + 1 < first:
-                raise _Reseed(f"follower {f.addr} needs records after lsn {applied} but the leader's log starts "
-                              f"at {first}; re-seed it from a copy of the leader")
-            self._set(f, state="streaming", confirmed_lsn=applied, sent_lsn=applied, error=None,
-                      connects=f.connects + 1)
-            self._save_slots(force=True)
+            why, automatic = self._needs_reseed(f, applied, pos.get("log_id"))
+            if why is not None and not (automatic or f.reseed_asked):
+                raise _Reseed(f"{why}; re-seed it (LogShipper.reseed / db.reseed_replica)")
             bufs = _SendBuffers(transport, int(region["bytes"]) // 2 if engine else 0)
             try:
+                if why is not None or f.reseed_asked:
+                    if self.store is None or not pos.get("reseed"):
+                        raise _Reseed(f"{why or 'a re-seed was asked for'}, and "
+                                      + ("this leader has no Db to copy" if self.store is None else
+                                         "the follower cannot be re-seeded (memory-only, or not run by "
+                                         "kvdb replicate serve); copy the leader's data directory to it"))
+                    applied = self._send_snapshot(f, ch, transport, region, bufs)
+                self._set(f, state="streaming", confirmed_lsn=applied, sent_lsn=applied, error=None,
+                          connects=f.connects + 1)
+                self._save_slots(force=True)
                 self._pump(f, ch, transport, region, bufs)
             finally:
                 bufs.release()
         finally:
             self._set(f, channel=None)
             ch.close()
+
+    def _needs_reseed(self, f: _Follower, applied: int, theirs) -> tuple[str | None, bool]:
+        """Why follower ``f`` at ``applied`` cannot be streamed to (None: it can), and whether a
+        re-seed is automatic (it is only behind: nothing of its own would be lost)."""
+        if applied and self.log_id and theirs not in (None, "-", self.log_id):
+            return (f"follower {f.addr} has applied lsn {applied} of another leader log ({theirs}, this one is "
+                    f"{self.log_id})"), False
+        first, last = self.source.first_lsn(), self.source.durable_lsn()
+        if applied > last:
+            return (f"follower {f.addr} has applied lsn {applied} but this leader's log ends at {last}: it holds "
+                    "another history"), False
+        if applied + 1 < first:
+            return f"follower {f.addr} needs records after lsn {applied} but the leader's log starts at {first}", True
+        return None, False
+
+    def _send_snapshot(self, f: _Follower, ch: Channel, transport, region, bufs) -> int:
+        """Stream a full copy of the leader's live state (reseed.py); returns its lsn, which the
+        follower now holds. Two batches in flight, acknowledged as they are applied."""
+        snap = Snapshot.take(self.store)
+        total = len(snap.keys) + len(snap.metadata)
+        progress = {"snapshot_lsn": snap.lsn, "records_total": total, "records_sent": 0, "records_confirmed": 0}
+        self._set(f, state="reseeding", reseed=progress, error=None)
+        log.info("re-seeding follower %s from a copy as of lsn %d (%d records)", f.addr, snap.lsn, total)
+        ch.send(MsgType.RESEED_BEGIN, {"snapshot_lsn": snap.lsn, "log_id": self.log_id, "records": total})
+        half = int(region["bytes"]) // 2 if region else self.batch_bytes
+        in_flight: deque[int] = deque()
+        sent = 0
+        for batch_no, recs in enumerate(snapshot_batches(snap, min(self.batch_bytes, half))):
+            if self._stopping:
+                raise ReplicationError("the leader is stopping")
+            if len(in_flight) == 2:
+                self._reseed_ack(f, ch, in_flight.popleft())
+            self._send_batch(ch, transport, region, bufs, half, batch_no, [(0, memoryview(r)) for r in recs],
+                             {"reseed": True})
+            sent += len(recs)
+            in_flight.append(sent)
+            self._set(f, reseed={**progress, "records_sent": sent, "records_total": max(total, sent)})
+        while in_flight:
+            self._reseed_ack(f, ch, in_flight.popleft())
+        ch.send(MsgType.RESEED_END, {"snapshot_lsn": snap.lsn, "records": sent})
+        got = int(ch.expect(MsgType.SHIP_ACK).meta.get("applied_lsn", -1))
+        if got != snap.lsn:
+            raise ReplicationError(f"follower {f.addr} ended its re-seed at lsn {got}, expected {snap.lsn}")
+        with self._cond:
+            f.reseed_asked = False
+            f.reseeds += 1
+        self._set(f, reseed=None)
+        log.info("follower %s re-seeded at lsn %d (%d records, %d gone meanwhile)", f.addr, snap.lsn, sent,
+                 snap.records_missing)
+        return snap.lsn
+
+    def _reseed_ack(self, f: _Follower, ch: Channel, want: int) -> None:
+        got = int(ch.expect(MsgType.SHIP_ACK).meta.get("reseed_records", -1))
+        if got != want:
+            raise ReplicationError(f"follower {f.addr} acknowledged {got} re-seed records, expected {want}")
+        with self._cond:
+            if f.reseed is not None:
+                f.reseed = {**f.reseed, "records_confirmed": got}
 
     def _pump(self, f: _Follower, ch: Channel, transport: Transport, region: dict | None, bufs) -> None:
         in_flight: deque[int] = deque()
@@ -463,9 +546,10 @@ class LogShipper:
                 if not self._stopping:
                     self._cond.wait(0.05)
 
-    def _send_batch(self, ch, transport, region, bufs, half, batch_no, recs) -> None:
+    def _send_batch(self, ch, transport, region, bufs, half, batch_no, recs, meta=None) -> None:
         total = sum(b.nbytes for _, b in recs)
-        meta = {"first_lsn": recs[0][0], "last_lsn": recs[-1][0], "bytes": total, "count": len(recs)}
+        meta = meta or {"first_lsn": recs[0][0], "last_lsn": recs[-1][0]}
+        meta.update(bytes=total, count=len(recs))
         if region is None or total > half:
             meta["inline"] = True
             ch.send(MsgType.SHIP_RECORDS, meta, [b for _, b in recs])
@@ -522,182 +606,3 @@ class _SendBuffers:
 
 class _Reseed(ReplicationError):
     pass
-
-
-# ---------------------------------------------------------------- follower side
-
-
-class LogSink:
-    """Applies shipped records to a Db (S1, S2); ``serve_stream`` runs on a NodeServer connection.
-
-    Applies PUT_BLOCK (raw or zstd-planes payloads; sealed payloads need the cold tier's key and
-    are refused) and DELETE through the Db's public API; metadata and CHECKPOINT records are
-    counted and skipped until the Db exposes an API for them.
-    """
-
-    def __init__(self, db, state_dir, *, durable: bool) -> None:
-        self.db = db
-        self.state_dir = Path(state_dir)
-        self.durable = durable  # False: a memory-only follower; its position is not persisted
-        self._lock = threading.Lock()  # one stream applies at a time; guards the counters
-        self.log_id: str | None = None  # the leader log this follower's lsns belong to
-        self._applied = self._load_applied() if durable else 0
-        self.counters = {"records": 0, "puts": 0, "deletes": 0, "duplicates": 0, "skipped": 0, "batches": 0}
-        self.leader: str | None = None
-        self._batch: np.ndarray | None = None  # decode buffer reused across batches (guarded by _lock)
-
-    @classmethod
-    def for_db(cls, db) -> "LogSink":
-        durable = "disk" in db.stats().get("tiers", {})
-        return cls(db, Path(db.path) / "replication", durable=durable)
-
-    def _load_applied(self) -> int:
-        """Read ``applied_lsn``: ``<lsn> <leader log id>`` (the id names the log the lsns count)."""
-        try:
-            parts = (self.state_dir / APPLIED_NAME).read_text().split()
-        except FileNotFoundError:
-            return 0
-        try:
-            self.log_id = parts[1] if len(parts) > 1 else None
-            return int(parts[0]) if parts else 0
-        except ValueError:
-            raise CorruptionError(f"{self.state_dir / APPLIED_NAME} is damaged; delete it to re-apply the log") from None
-
-    def applied_lsn(self) -> int:
-        return self._applied
-
-    def status(self) -> dict:
-        return {"applied_lsn": self._applied, "leader": self.leader, "log_id": self.log_id,
-                "durable": self.durable, **self.counters}
-
-    def apply(self, buf, first_lsn: int, last_lsn: int) -> int:
-        """Apply the consecutive records in ``buf`` (S2); returns the new applied lsn (S1)."""
-        with self._lock:
-            recs = []
-            off = 0
-            while off < len(buf):
-                status, rec = check_record(buf, off)
-                if status != "ok":
-                    raise ReplicationError(f"shipped record at byte {off} of a batch fails its crc32c "
-                                           f"({status}); nothing after lsn {self._applied} applied")
-                recs.append(rec)
-                off += rec.record_bytes
-            lsns = [r.lsn for r in recs]
-            if not recs or lsns != list(range(first_lsn, last_lsn + 1)):
-                raise ReplicationError(f"shipped batch holds lsns {lsns[:1]}..{lsns[-1:]}, "
-                                       f"announced {first_lsn}..{last_lsn}")
-            if first_lsn > self._applied + 1:
-                raise ReplicationError(f"shipped batch starts at lsn {first_lsn}, after applied {self._applied}: "
-                                       "records are missing")
-            todo = [r for r in recs if r.lsn > self._applied]
-            deleted = self._apply_records(todo)
-            self.counters["duplicates"] += len(recs) - len(todo)
-            self.counters["batches"] += 1
-            if self.durable and todo:
-                if deleted:
-                    self.db.flush()
-                _write_atomic(self.state_dir / APPLIED_NAME, f"{last_lsn} {self.log_id or '-'}".encode())
-            self._applied = max(self._applied, last_lsn)
-            return self._applied
-
-    def _batch_rows(self, n: int, page: int) -> np.ndarray:
-        """A reused [n, page] buffer: a fresh one per batch costs page faults, not just a copy."""
-        if self._batch is None or self._batch.shape[0] < n or self._batch.shape[1] != page:
-            self._batch = np.empty((n, page), dtype=np.uint8)
-        return self._batch[:n]
-
-    def _apply_records(self, recs) -> bool:
-        """Apply records in lsn order, one put_blocks per run of PUTs (pages decoded straight
-        into one preallocated batch); True when a DELETE was applied."""
-        lay = self.db.layout
-        page = lay.page_bytes
-        durability = "group" if self.durable else "none"
-        deleted = False
-        i = 0
-        while i < len(recs):
-            r = recs[i]
-            if r.rtype == RecordType.PUT_BLOCK:
-                j = i
-                while j < len(recs) and recs[j].rtype == RecordType.PUT_BLOCK:
-                    j += 1
-                batch = self._batch_rows(j - i, page)
-                keys, pos = [], []
-                for row, rec in enumerate(recs[i:j]):
-                    p = decode_put(rec.body)
-                    if p.flags & FLAG_SEALED:
-                        raise ReplicationError(f"record {rec.lsn} is sealed (encryption at rest); followers of "
-                                               "an encrypted leader are not supported yet")
-                    if p.raw_bytes != page:
-                        raise ReplicationError(f"record {rec.lsn} holds a {p.raw_bytes}-byte page; this follower "
-                                               f"stores {page}-byte pages (another layout)")
-                    decode_page(p.payload, p.codec, lay.itemsize, batch[row])
-                    keys.append(p.key)
-                    pos.append(p.position)
-                blocks = torch.from_numpy(batch).view(lay.dtype).view(j - i, *lay.block_shape)
-                positions = [max(x, 0) for x in pos] if any(x >= 0 for x in pos) else None
-                self.db.put_blocks(keys, blocks, positions=positions, durability=durability)
-                self.counters["puts"] += j - i
-                self.counters["records"] += j - i
-                i = j
-                continue
-            if r.rtype == RecordType.DELETE:
-                self.db.delete(decode_delete(r.body))
-                self.counters["deletes"] += 1
-                deleted = True
-            else:
-                self.counters["skipped"] += 1
-            self.counters["records"] += 1
-            i += 1
-        return deleted
-
-    def serve_stream(self, ch: Channel, hello: Message, open_region, release_region) -> None:
-        """Run one leader's stream on an accepted connection until it closes; ``open_region(n)``
-        / ``release_region(r)`` lend landing memory (the node's pool)."""
-        self.leader = str(hello.meta.get("leader") or ch.peer_node)
-        want = int(hello.meta.get("region_bytes") or 0)
-        leader_log = hello.meta.get("log_id")
-        with self._lock:
-            if self._applied == 0 and leader_log:
-                self.log_id = str(leader_log)  # a fresh follower adopts the first leader's log
-            reply = {"applied_lsn": self._applied, "log_id": self.log_id}
-        if self._applied and leader_log and self.log_id not in (None, "-", leader_log):
-            ch.send(MsgType.SHIP_POSITION, reply)  # the leader sees the mismatch and stops (re-seed)
-            return
-        region = open_region(want) if want > 0 else None
-        try:
-            if region is not None and region.tensor is not None:
-                reply["region"] = {"transport": ch.local_meta.get("transport"), "addr": region.addr,
-                                   "bytes": region.nbytes}
-            self._serve(ch, reply, region)
-        finally:
-            if region is not None:
-                release_region(region)
-
-    def _serve(self, ch: Channel, reply: dict, region: Region | None) -> None:
-        ch.send(MsgType.SHIP_POSITION, reply)
-        while not ch.closed:
-            msg = ch.expect(MsgType.SHIP_RECORDS)
-            m = msg.meta
-            try:
-                first, last, nbytes = int(m["first_lsn"]), int(m["last_lsn"]), int(m["bytes"])
-            except (KeyError, TypeError, ValueError):
-                ch.send_error(ErrorCode.PROTOCOL, "SHIP_RECORDS needs first_lsn, last_lsn and bytes")
-                return
-            if m.get("inline"):
-                buf = msg.blob
-            else:
-                off = m.get("offset")
-                if region is None or region.tensor is None or not isinstance(off, int) or off < 0 \
-                        or off + nbytes > region.nbytes:
-                    ch.send_error(ErrorCode.PROTOCOL, "SHIP_RECORDS names bytes outside the landing region")
-                    return
-                buf = memoryview(region.tensor[off : off + nbytes].numpy())
-            if len(buf) != nbytes:
-                ch.send_error(ErrorCode.PROTOCOL, f"SHIP_RECORDS carries {len(buf)} bytes, announced {nbytes}")
-                return
-            try:
-                applied = self.apply(buf, first, last)
-            except ReplicationError as e:
-                ch.send_error(ErrorCode.CORRUPT, str(e))
-                raise
-            ch.send(MsgType.SHIP_ACK, {"applied_lsn": applied})

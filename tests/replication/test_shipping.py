@@ -156,7 +156,7 @@ def test_dropped_connections_are_resumed_without_loss(netns, tmp_path):
     # two batches of writes; the leader reconnects, resumes from the follower's position and
     # the follower ends with both batches bit-exact and no record applied twice.
     from kvdb.replication import NodeServer
-    from kvdb.replication.shipping import LogSink
+    from kvdb.replication.sink import LogSink
 
     fdb = kvdb.open(tmp_path / "f", layout=LAYOUT, model_id="test-model", host_bytes=64 * LAYOUT.page_bytes)
     srv = NodeServer(fdb, "127.0.0.1:0", SECRET, transport="tcp", sink=LogSink.for_db(fdb)).start()

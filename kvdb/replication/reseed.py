@@ -1,0 +1,179 @@
+"""Re-seeding a follower: a full copy of the leader's live state, then log shipping from its lsn.
+
+A follower whose position the leader's log no longer holds (compacted away, or a new follower
+of a leader whose log does not start at 1) is re-seeded on the same log stream, right after
+SHIP_POSITION (shipping.py); one that applied another leader's log, or is ahead of this one,
+only when asked (``LogShipper.reseed(addr)``: its state would be thrown away)::
+
+    leader                                                   follower (LogSink)
+      RESEED_BEGIN {snapshot_lsn L, log_id, records N}   ->  opens a staging Db
+      SHIP_RECORDS {reseed: true, count, bytes} [+ records] ->  applies them into it
+                                                          <- SHIP_ACK {reseed_records}
+      ...   (two batches in flight, like log shipping)
+      RESEED_END {snapshot_lsn L, records N}             ->  flush + close the staging Db,
+                                                             swap it in, reopen the Db
+                                                          <- SHIP_ACK {applied_lsn: L}
+      SHIP_RECORDS from L + 1 (ordinary log shipping)
+
+Follower states (``LogSink.status()["reseed"]``, shown by ``kvdb replicate status``)::
+
+    idle --RESEED_BEGIN--> receiving --RESEED_END--> swapping --reopened--> idle (applied L)
+              receiving --error / dropped stream / crash--> idle (staging dropped, old state)
+
+Invariants:
+  RS1 The follower holds either its old state or the whole copy, whenever it crashes: the copy
+      is built in ``PATH/replication/reseed.new`` (a Db directory with the follower's own
+      MANIFEST.json and KEY_SECRET), made durable and closed, with its position file
+      (``<L> <log id>``) inside; only then is the marker ``PATH/replication/RESEED_SWAP``
+      written. With the marker present the swap (wal/, index/ and the position file moved in,
+      the old ones moved aside) is rolled forward by ``finish_swap``, which ``kvdb replicate
+      serve`` runs before it opens the Db; without it a staging directory is an interrupted
+      copy and is deleted. Either way the stream then resumes (a re-seed starts over).
+  RS2 The copy is the leader's records, verbatim (each crc checked by the follower; sealed
+      payloads stay sealed on the wire), and the copy followed by the log from L + 1 is the
+      leader's state (kvdb/cold/export.py, "Snapshot consistency").
+  RS3 The leader's retention floor (replication slots, shipping.py S4) is still the follower's
+      old confirmed lsn, which is below L: the records after L stay in the leader's log until
+      the follower confirms them.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+import time
+from pathlib import Path
+
+from kvdb.errors import DbLockedError, ReplicationError
+from kvdb.wal.fs import OsFs, write_file_atomic
+
+SWAP_MARKER = "RESEED_SWAP"
+STAGING_DIR = "reseed.new"
+ASIDE_DIR = "reseed.old"
+MOVED = ("wal", "index")  # the Db's durable state (the cold tier); everything else stays
+COPIED = ("MANIFEST.json", "KEY_SECRET")  # the follower's own identity, copied into the staging Db
+APPLIED_NAME = "applied_lsn"  # the follower's position file (shipping.py)
+
+
+def _take_lock(path: Path) -> int:
+    fd = os.open(path / "LOCK", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise DbLockedError(f"{path} is open in a Db; a re-seed swap runs only while it is closed") from None
+    return fd
+
+
+def finish_swap(path) -> bool:
+    """Finish or drop an interrupted re-seed of the Db directory ``path`` (RS1): roll the swap
+    forward when its marker is there (True), else delete a leftover staging copy (False).
+    Takes the directory's lock meanwhile (DbLockedError while a Db has it open)."""
+    path = Path(path)
+    rep = path / "replication"
+    staging, aside, marker = rep / STAGING_DIR, rep / ASIDE_DIR, rep / SWAP_MARKER
+    if not (marker.exists() or staging.exists() or aside.exists()):
+        return False
+    fs = OsFs()
+    fd = _take_lock(path)
+    try:
+        if not marker.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+            shutil.rmtree(aside, ignore_errors=True)
+            return False
+        aside.mkdir(exist_ok=True)
+        for name in MOVED:
+            src, cur = staging / name, path / name
+            if not src.exists():
+                continue  # moved in before the crash
+            if cur.exists():
+                if (aside / name).exists():
+                    shutil.rmtree(cur)  # made by someone who opened the half-swapped directory
+                else:
+                    os.rename(cur, aside / name)
+            os.rename(src, cur)
+        src = staging / "replication" / APPLIED_NAME
+        if src.exists():
+            os.replace(src, rep / APPLIED_NAME)
+        fs.sync_dir(str(path))
+        fs.sync_dir(str(rep))
+        marker.unlink()
+        fs.sync_dir(str(rep))
+        shutil.rmtree(aside, ignore_errors=True)
+        shutil.rmtree(staging, ignore_errors=True)
+        return True
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+
+
+class Staging:
+    """The copy a follower is receiving: a Db in ``PATH/replication/reseed.new`` opened with
+    ``reopen(dir, host_bytes=...)`` (the daemon's own options). Blocks go to its disk tier only."""
+
+    def __init__(self, path, reopen, *, page_bytes: int, snapshot_lsn: int, log_id: str | None,
+                 records_total: int, debug_after_records=None) -> None:
+        self.path = Path(path)
+        self.dir = self.path / "replication" / STAGING_DIR
+        self.snapshot_lsn = int(snapshot_lsn)
+        self.log_id = log_id
+        self.progress = {"state": "receiving", "snapshot_lsn": self.snapshot_lsn, "records_total": int(records_total),
+                         "records_received": 0, "bytes_received": 0, "started_unix_s": round(time.time(), 3)}
+        self.debug_after_records = debug_after_records  # tests: called with the count after each batch
+        shutil.rmtree(self.dir, ignore_errors=True)  # a copy interrupted earlier (RS1)
+        self.dir.mkdir(parents=True)
+        for name in COPIED:
+            if (self.path / name).exists():
+                shutil.copy2(self.path / name, self.dir / name)
+        self.db = reopen(self.dir, host_bytes=page_bytes)
+        if self.db.cold_store is None:
+            self.abort()
+            raise ReplicationError("a re-seed needs the follower's disk tier (it was opened with disk_bytes=0)")
+
+    def received(self, records: int, nbytes: int) -> None:
+        self.progress["records_received"] += records
+        self.progress["bytes_received"] += nbytes
+        if self.debug_after_records is not None:
+            self.debug_after_records(self.progress["records_received"])
+
+    def seal(self) -> None:
+        """The copy is complete: make it durable with its position, close it, write the marker."""
+        self.progress["state"] = "swapping"
+        self.db.flush()
+        (self.dir / "replication").mkdir(exist_ok=True)
+        write_file_atomic(self.dir / "replication" / APPLIED_NAME,
+                          f"{self.snapshot_lsn} {self.log_id or '-'}".encode())
+        self.db.close()
+        write_file_atomic(self.path / "replication" / SWAP_MARKER, b"reseed.new complete\n")
+
+    def abort(self) -> None:
+        try:
+            self.db.close()
+        except Exception:  # noqa: BLE001 -- the copy is being thrown away whatever went wrong
+            pass
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+# ---------------------------------------------------------------- leader side
+
+
+def snapshot_batches(snap, max_bytes: int):
+    """The snapshot's records (metadata first, then blocks) in lists of about ``max_bytes``."""
+    batch, total = [], 0
+    for rec in snap.metadata:
+        if batch and total + len(rec) > max_bytes:
+            yield batch
+            batch, total = [], 0
+        batch.append(rec)
+        total += len(rec)
+    step = 64
+    for i in range(0, len(snap.keys), step):
+        for rec in snap.read(snap.keys[i : i + step]):
+            if batch and total + len(rec) > max_bytes:
+                yield batch
+                batch, total = [], 0
+            batch.append(rec)
+            total += len(rec)
+    if batch:
+        yield batch
