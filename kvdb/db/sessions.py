@@ -84,7 +84,7 @@ OFFLOAD_MIN_WAIT_S = 1.0  # shorter waits keep their blocks: two copies for litt
 PREFETCH_MARGIN_S = 0.25  # slack on top of twice the reload estimate (a busy mover, a late hint)
 RECENT_CHAINS = 256  # ended calls' chains kept for resolving prefix hashes
 PREFIX_PIN_FRACTION = 0.5  # at most this share of a tier's frames is pinned for prefixes
-REPLAN_TOLERANCE_S = 0.5  # a workflow estimate that moved less keeps its timer
+REPLAN_TOLERANCE_S = 0.5  # a wait whose return moved less keeps its timer (the same wait said twice)
 WORKFLOW_TOOL_DEFAULT_S = 10.0  # a declared tool without expected_duration_s
 RATE_ALPHA = 0.2  # EWMA weight of one measured prefetch
 
@@ -174,7 +174,7 @@ class SessionsMixin:
             agent = agent_id if agent_id is not None else self._last_agent.get(sid)
             plan = self._agents.get((sid, agent))
             if plan is not None and not plan.in_call:
-                self._start_wait(plan, d)
+                self._start_wait(plan, d, self.planner.now(now_s))
             elif plan is not None:
                 plan.pending_wait_s = d
         return outcomes
@@ -230,7 +230,7 @@ class SessionsMixin:
                 d = usable.get("expected_tool_duration_s", plan.pending_wait_s)
                 plan.pending_wait_s = None
                 if d is not None:
-                    self._start_wait(plan, float(d))
+                    self._start_wait(plan, float(d), self.planner.now(now_s))
             self._workflow_waits(session_id, now_s)
             return outcomes
 
@@ -316,11 +316,13 @@ class SessionsMixin:
     def _lead_s(self, plan: AgentPlan) -> float:
         return 2.0 * len(plan.chain) * self._s_per_page + PREFETCH_MARGIN_S
 
-    def _start_wait(self, plan: AgentPlan, wait_s: float) -> None:
+    def _start_wait(self, plan: AgentPlan, wait_s: float, now: float) -> None:
+        """The agent waits ``wait_s`` from ``now`` (the event's time: ``now_s`` or the clock)."""
+        if plan.return_s is not None and abs(plan.return_s - (now + wait_s)) <= REPLAN_TOLERANCE_S:
+            return  # the same wait said twice (the call's hint, then the tool's start)
         if plan.timer is not None and plan.timer.cancel() and plan.return_s is not None:
             self._plan_stats["replanned_waits"] += 1  # a new hint or estimate replaces the plan
         plan.gen += 1
-        now = self._clock()
         plan.return_s = now + wait_s
         plan.offloaded = plan.prefetched = False
         plan.timer = self._mover.schedule(plan.return_s - self._lead_s(plan), self._prefetch_job, plan, plan.gen)
@@ -352,7 +354,6 @@ class SessionsMixin:
             return
         now = self.planner.now(now_s)
         starts = wf.agent_next_start(now, 0.0, WORKFLOW_TOOL_DEFAULT_S)
-        clock = self._clock()
         for (s, agent), plan in self._agents.items():
             if s != sid or plan.in_call or agent not in starts:
                 continue
@@ -366,9 +367,7 @@ class SessionsMixin:
             wait = t - now
             if wait <= 0:
                 continue
-            if plan.return_s is not None and abs(plan.return_s - (clock + wait)) <= REPLAN_TOLERANCE_S:
-                continue
-            self._start_wait(plan, wait)
+            self._start_wait(plan, wait, now)
 
     def _plan_pressure(self) -> None:
         """E1: the device tier is at its watermark and someone waits: offload on the mover."""
@@ -397,10 +396,7 @@ class SessionsMixin:
                 on_dev = [k for k in private if (c := table.get(k)) is not None and c & 1 == DEVICE]
                 if not on_dev:
                     continue
-                if self._cold is not None and len(host.free) < len(on_dev):
-                    moved = self.pool.offload([k for k in private if k in table], None)  # host pressure: to disk
-                else:
-                    moved = self.pool.offload(on_dev, HOST)
+                moved = self.pool.offload(on_dev, HOST)
                 self._plan_stats["planned_offloads"] += 1
                 self._plan_stats["planned_offload_blocks"] += moved
                 return
@@ -411,13 +407,24 @@ class SessionsMixin:
             if self._state != "open" or plan.gen != gen:
                 return
             plan.prefetched = True
-            moved, dt = self._bring_up(plan.chain)
+            moved, dt = self._bring_up(self._prefetch_keys(plan))
             st = self._plan_stats
             st["planned_prefetches"] += 1
             st["planned_prefetch_blocks"] += moved
             st["planned_prefetch_s"] += dt
             if moved:
                 self._s_per_page += RATE_ALPHA * (dt / moved - self._s_per_page)
+
+    def _prefetch_keys(self, plan: AgentPlan) -> list:
+        """The chain's blocks not on the device, private ones first, at most half the device
+        tier: a chain longer than the tier must not push out everyone else (and itself)."""
+        dev = self.pool.tiers[DEVICE]
+        table = self.pool.table
+        private = self._private(plan)
+        mine = set(private)
+        order = private + [k for k in plan.chain if k not in mine]
+        up = [k for k in order if (c := table.get(k)) is None or c & 1 != DEVICE]
+        return up if dev is None else up[: max(1, dev.num_frames // 2)]
 
     def _bring_up(self, keys) -> tuple[int, float]:
         """Keys toward the device tier (disk -> host -> device); (pages moved, seconds)."""

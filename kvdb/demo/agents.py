@@ -16,11 +16,14 @@ tokens must agree. The kvdb path then decodes ``output_tokens`` greedily and sav
 
 Tiers: a device arena (on the CPU here: the demo runs anywhere), a host arena and the disk
 tier, capacities far below the workflow's KV so that blocks move down (device -> host ->
-disk) and come back. Eviction is the planner's ``kvdb`` policy, fed by the planner's session
-API: each call is a ``call_started`` / ``call_finished`` with hints (the expected tool wait
-after it), each tool wait a ``hint``. Before a worker's follow-up call the engine prefetches
-its history during the tool wait (``Db.prefetch``), as the plan says. Time in the planner is a
-virtual clock (tool waits are not slept; LLM calls advance it by their measured duration).
+disk) and come back. Eviction is the planner's ``kvdb`` policy, fed by the Db's session API:
+each agent is a session, each call a ``call_started`` / ``call_finished`` with hints (the
+expected tool wait after it), each tool start a ``hint``. The Db acts on that plan by itself
+(kvdb/db/sessions.py): a waiting agent's blocks go down when the device tier is full and
+come back before its predicted return; the demo never moves a block. Time is a virtual clock
+given to the Db (tool waits are not slept; LLM calls advance it by their measured duration):
+when a tool returns the demo moves the clock and lets the Db run the moves then due
+(``Db.run_plans``), as a real clock would have.
 """
 
 from __future__ import annotations
@@ -116,7 +119,7 @@ def drive(cfg: DemoConfig, llm: LlmFn, tool: ToolFn, before_call: Callable | Non
     ``llm`` gets each call's full prompt and returns its output tokens and duration. Workers of
     one round start together; their follow-up calls run in the order their tools finish.
     ``before_call(node, agent, previous_prompt, now_s)`` runs when a tool wait ends, before the
-    agent's next call (the engine's prefetch point).
+    agent's next call (the moment the tool returns).
     """
     seed = cfg.seed
     shared = _segment("system", cfg.system_tokens, seed) + _segment("tool-schemas", cfg.schema_tokens, seed)
@@ -212,8 +215,6 @@ class CallRecord:
 
 @dataclass
 class _Counters:
-    prefetched_blocks: int = 0
-    prefetch_s: float = 0.0
     calls: list = field(default_factory=list)
 
 
@@ -248,8 +249,6 @@ def run_demo(cfg: DemoConfig, log: Callable[[str], None] | None = None, live: bo
 
 def _run(cfg: DemoConfig, say, live: bool, t_start: float) -> dict:
     from kvdb.integrations.transformers import PrefixCache, layout_for
-    from kvdb.planner.policies import make_policy
-    from kvdb.planner.sessions import Planner
 
     data_dir = fresh_data_dir(cfg.data_dir)
     spec = explain_spec(cfg)
@@ -258,28 +257,29 @@ def _run(cfg: DemoConfig, say, live: bool, t_start: float) -> dict:
     layout = layout_for(model.config, block_tokens=cfg.block_tokens)
     _warm_up(model, layout)
 
-    replacers = []
+    clock = [0.0]  # the virtual time (s): the Db's clock
 
-    def planned_policy(num_frames: int):
-        r = make_policy("kvdb", num_frames)
-        replacers.append(r)
-        return r
+    def advance(now: float) -> None:
+        clock[0] = max(clock[0], now)  # workers of a round start together: time never goes back
 
     db = kvdb.open(data_dir / "db", layout=layout, model_id=MODEL_ID,
                    device_bytes=cfg.device_pages * layout.page_bytes, device="cpu",
                    host_bytes=cfg.host_pages * layout.page_bytes, disk_bytes=cfg.disk_bytes,
-                   replacer=planned_policy)
-    planner = Planner(replacers=replacers)
-    plan = planner.explain(spec)
+                   replacer="kvdb", clock=lambda: clock[0])
+    plan = db.explain(spec)
     pc = PrefixCache(db, model, tenant="demo")
     ctr = _Counters()
     say(f"kvdb demo: {cfg.rounds} rounds x (planner -> {cfg.workers} workers -> reviewer), {n_calls} LLM calls; "
         f"tiers: device {cfg.device_pages} pages, host {cfg.host_pages} pages, disk; data in {data_dir}")
+    # every agent's prompt starts with the system prompt and tool schemas: name that prefix by
+    # the key of its last block, so the Db keeps it (and never offloads it with one agent's history)
+    shared_tokens = _segment("system", cfg.system_tokens, cfg.seed) + _segment("tool-schemas", cfg.schema_tokens, cfg.seed)
+    prefix_keys = db.block_keys(shared_tokens, tenant="demo")
+    prefix = {"prefix_hash": prefix_keys[-1].hex()} if prefix_keys else {}
     for agent in ["planner", "reviewer"] + [f"worker{w}" for w in range(1, cfg.workers + 1)]:
-        planner.begin_session(agent, tenant="demo", now_s=0.0)
+        db.begin_session(agent, tenant="demo", hints=prefix, now_s=0.0)
 
     bar = _LiveBar(n_calls) if live else None
-    shared_blocks = spec["shared_prefix_blocks"]
 
     def llm(node, agent, prompt, now, hints):
         ids = torch.tensor([prompt], dtype=torch.long)
@@ -291,7 +291,9 @@ def _run(cfg: DemoConfig, say, live: bool, t_start: float) -> dict:
                         for _ in range(2))
         first_base = base[0]
         # with kvdb: restore the longest stored prefix, prefill the rest
-        ctx, _ = planner.call_started(agent, agent_id=agent, hints=hints, now_s=now)
+        advance(now)
+        db.run_plans()
+        ctx, _ = db.call_started(agent, agent_id=agent, hints=hints, now_s=now)
         dev0, host0 = _tier_hits(db)
         t0 = time.perf_counter()
         cache, n = pc.lookup(ids, ctx=ctx)
@@ -312,9 +314,10 @@ def _run(cfg: DemoConfig, say, live: bool, t_start: float) -> dict:
             cache = step.past_key_values
             nxt = step.logits[:, -1:].argmax(-1)
             produced.append(int(nxt))
-        saved = pc.save(torch.tensor([prompt + produced]), cache)
+        saved = pc.save(torch.tensor([prompt + produced]), cache, ctx=ctx)
         dur = time.perf_counter() - t0
-        planner.call_finished(agent, agent_id=agent, now_s=now + dur)
+        advance(now + dur)
+        db.call_finished(agent, agent_id=agent, now_s=now + dur)
         dev, host = dev1 - dev0, host1 - host0
         bt = cfg.block_tokens
         rec = CallRecord(node=node, agent=agent, round=int(re.search(r"\d+", node).group()),
@@ -332,15 +335,13 @@ def _run(cfg: DemoConfig, say, live: bool, t_start: float) -> dict:
         return produced, dur
 
     def tool(node, agent, duration, now):
-        planner.hint(agent, expected_tool_duration_s=duration, now_s=now)
+        advance(now)
+        db.hint(agent, expected_tool_duration_s=duration, now_s=now)
 
     def before_call(node, agent, previous_prompt, now):
-        # the tool is about to return: bring the agent's history up (overlaps the wait in an engine)
-        # only the agent's own history: the shared prefix is every call's and stays hot
-        keys = db.block_keys(previous_prompt, tenant="demo")[shared_blocks:]
-        t0 = time.perf_counter()
-        ctr.prefetched_blocks += db.prefetch(keys)
-        ctr.prefetch_s += time.perf_counter() - t0
+        # the tool returns: time has passed, and with it the Db's planned moves came due
+        advance(now)
+        db.run_plans()
 
     try:
         drive(cfg, llm, tool, before_call)
@@ -349,7 +350,7 @@ def _run(cfg: DemoConfig, say, live: bool, t_start: float) -> dict:
         if bar is not None:
             bar.close()
         db.close()
-    res = _summarize(cfg, ctr, stats, plan, planner, data_dir)
+    res = _summarize(cfg, ctr, stats, plan, data_dir)
     from kvdb.demo.chart import write_chart
 
     chart = Path(cfg.chart_path) if cfg.chart_path is not None else data_dir / "ttft.png"
@@ -370,7 +371,7 @@ def _warm_up(model, layout) -> None:
     prefill(model, ids[:, 56 * layout.block_tokens:], cache_from_blocks(model.config, blocks))
 
 
-def _summarize(cfg, ctr: _Counters, stats: dict, plan: dict, planner, data_dir: Path) -> dict:
+def _summarize(cfg, ctr: _Counters, stats: dict, plan: dict, data_dir: Path) -> dict:
     calls = [c.as_dict() for c in ctr.calls]
     tot_without = sum(c["ttft_without_s"] for c in calls)
     tot_with = sum(c["ttft_with_s"] for c in calls)
@@ -396,9 +397,10 @@ def _summarize(cfg, ctr: _Counters, stats: dict, plan: dict, planner, data_dir: 
         "ttft_with_kvdb_s": tot_with,
         "ttft_speedup": tot_without / tot_with if tot_with else None,
         "first_tokens_identical": sum(c["first_token_same"] for c in calls),
-        "prefetched_blocks": ctr.prefetched_blocks,
-        "prefetch_s": ctr.prefetch_s,
-        "hint_outcomes": dict(planner.outcome_counts),
+        "prefetched_blocks": stats["plans"]["planned_prefetch_blocks"],
+        "prefetch_s": stats["plans"]["planned_prefetch_s"],
+        "plans": stats["plans"],
+        "hint_outcomes": dict(stats["hints"]),
         "tiers": tiers,
         "explain": plan,
         "calls": calls,
@@ -452,7 +454,11 @@ def render(res: dict, console) -> None:
     console.print(f"TTFT total: {res['ttft_without_kvdb_s']:.2f} s without kvdb, {res['ttft_with_kvdb_s']:.2f} s with "
                   f"kvdb ({res['ttft_speedup']:.2f}x); first tokens identical in "
                   f"{res['first_tokens_identical']}/{res['llm_calls']} calls")
-    console.print(f"prefetched {res['prefetched_blocks']} blocks during tool waits ({res['prefetch_s'] * 1e3:.1f} ms); "
+    p = res["plans"]
+    console.print(f"the engine prefetched {res['prefetched_blocks']} blocks during tool waits "
+                  f"({res['prefetch_s'] * 1e3:.1f} ms; offloaded {p['planned_offload_blocks']}); "
+                  f"{p['planned_prefetch_hits']} of {p['planned_prefetch_hits'] + p['planned_prefetch_misses']} "
+                  f"blocks on the device when the calls came, {p['late_prefetches']} late; "
                   f"hints: {res['hint_outcomes']}")
     tiers = Table("tier", "pages", "capacity", "evictions", "demotions", "promotions", title="tiers at the end",
                   box=box.SIMPLE_HEAD)
