@@ -81,14 +81,19 @@ from kvdb.planner.sessions import CallContext
 from kvdb.types import KEY_BYTES
 
 OFFLOAD_MIN_WAIT_S = 1.0  # shorter waits keep their blocks: two copies for little room
+DISK_OFFLOAD_MIN_WAIT_S = 30.0  # a full host tier takes a waiting agent's blocks only for short
+# waits; longer ones go straight to disk (a host cache is full in its steady state: demoting
+# there would push out someone else's blocks, while a disk reload still fits in the wait)
 PREFETCH_MARGIN_S = 0.25  # slack on top of twice the reload estimate (a busy mover, a late hint)
 RECENT_CHAINS = 256  # ended calls' chains kept for resolving prefix hashes
 PREFIX_PIN_FRACTION = 0.5  # at most this share of a tier's frames is pinned for prefixes
 REPLAN_TOLERANCE_S = 0.5  # a wait whose return moved less keeps its timer (the same wait said twice)
 WORKFLOW_TOOL_DEFAULT_S = 10.0  # a declared tool without expected_duration_s
 RATE_ALPHA = 0.2  # EWMA weight of one measured prefetch
+DISK_SLOWDOWN = DEFAULT_COST.host_bytes_per_s / DEFAULT_COST.disk_bytes_per_s  # disk reload vs host
 
-STAT_NAMES = ("waits", "replanned_waits", "planned_offloads", "planned_offload_blocks", "planned_prefetches",
+STAT_NAMES = ("waits", "replanned_waits", "planned_offloads", "planned_offload_blocks", "planned_disk_offload_blocks",
+              "planned_prefetches",
               "planned_prefetch_blocks", "planned_prefetch_hits", "planned_prefetch_misses", "early_calls",
               "late_prefetches", "cancelled_prefetches", "prefixes_resolved", "prefixes_unknown",
               "prefix_prefetch_blocks")
@@ -313,8 +318,11 @@ class SessionsMixin:
 
     # ------------------------------------------------------------------ waits (E1-E3)
 
-    def _lead_s(self, plan: AgentPlan) -> float:
-        return 2.0 * len(plan.chain) * self._s_per_page + PREFETCH_MARGIN_S
+    def _lead_s(self, plan: AgentPlan, on_disk: int = 0) -> float:
+        """Prefetch lead (E2): twice the reload estimate plus a margin; ``on_disk`` of the
+        chain's blocks reload at the disk's rate (the cost model's, relative to host's)."""
+        mem = len(plan.chain) - on_disk
+        return 2.0 * (mem + on_disk * DISK_SLOWDOWN) * self._s_per_page + PREFETCH_MARGIN_S
 
     def _start_wait(self, plan: AgentPlan, wait_s: float, now: float) -> None:
         """The agent waits ``wait_s`` from ``now`` (the event's time: ``now_s`` or the clock)."""
@@ -396,7 +404,16 @@ class SessionsMixin:
                 on_dev = [k for k in private if (c := table.get(k)) is not None and c & 1 == DEVICE]
                 if not on_dev:
                     continue
-                moved = self.pool.offload(on_dev, HOST)
+                if (self._cold is not None and len(host.free) < len(on_dev)
+                        and plan.return_s - now > DISK_OFFLOAD_MIN_WAIT_S + self._lead_s(plan, len(private))):
+                    moved = self.pool.offload([k for k in private if k in table], None)  # host pressure: to disk
+                    plan.timer.cancel()  # the reload now comes from disk: an earlier deadline
+                    plan.gen += 1
+                    plan.timer = self._mover.schedule(plan.return_s - self._lead_s(plan, len(private)),
+                                                      self._prefetch_job, plan, plan.gen)
+                    self._plan_stats["planned_disk_offload_blocks"] += moved
+                else:
+                    moved = self.pool.offload(on_dev, HOST)
                 self._plan_stats["planned_offloads"] += 1
                 self._plan_stats["planned_offload_blocks"] += moved
                 return

@@ -51,22 +51,22 @@ def agent_call(db, sid, agent, keys, blocks, wait_s=None, **hints):
 
 @pytest.mark.parametrize("policy", ["lru", "kvdb"])
 def test_waiting_agent_moves_down_under_pressure_and_back_before_its_return(tmp_path, policy):
-    # Scenario (E1, E2): 4 device pages. Agent a stores 3 blocks and waits 60 s on a tool.
-    # Agent b's block fills the device: a's private blocks go to host (a planned offload,
+    # Scenario (E1, E2): 6 device pages. Agent a stores 3 blocks and waits 60 s on a tool.
+    # Agent b's 3 blocks fill the device: a's private blocks go to host (a planned offload,
     # not a capacity eviction). Just before a's predicted return minus the lead, nothing
     # moves; at it, a's chain comes back to the device; a's call finds all 3 there.
     clock = Clock()
-    with open_db(tmp_path, clock, replacer=policy) as db:
+    with open_db(tmp_path, clock, device_pages=6, replacer=policy) as db:
         ka = db.block_keys(list(range(12)), tenant="t")
-        kb = db.block_keys(list(range(100, 104)), tenant="t")
+        kb = db.block_keys(list(range(100, 112)), tenant="t")
         db.begin_session("sa", tenant="t")
         db.begin_session("sb", tenant="t")
         agent_call(db, "sa", "a", ka, blocks_for(3, 1), wait_s=60.0)
         db.run_plans()
         assert tiers(db, ka) == ["device"] * 3  # room left: nothing moves
-        agent_call(db, "sb", "b", kb, blocks_for(1, 2))
+        agent_call(db, "sb", "b", kb, blocks_for(3, 2))
         db.run_plans()
-        assert tiers(db, ka) == ["host"] * 3 and tiers(db, kb) == ["device"]
+        assert tiers(db, ka) == ["host"] * 3 and tiers(db, kb) == ["device"] * 3
         st = db.stats()
         assert st["plans"]["planned_offloads"] == 1 and st["plans"]["planned_offload_blocks"] == 3
         assert st["tiers"]["device"]["evictions"] == 0 and st["tiers"]["device"]["demotions"] == 3
@@ -94,8 +94,9 @@ def test_waiting_agent_moves_down_under_pressure_and_back_before_its_return(tmp_
 
 def test_shared_blocks_stay_and_host_pressure_goes_to_disk(tmp_path):
     # Scenario (E1): a and b share their first block (a system prompt); device 4, host 2,
-    # disk on. a waits: only its 2 private blocks move, and since the host tier has no 2
-    # free frames they go to disk; the shared block stays on the device.
+    # disk on. a waits 120 s: only its 2 private blocks move, and since the host tier has no
+    # 2 free frames and the wait is long they go to disk; the shared block stays on the
+    # device. The reload from disk gets an earlier deadline.
     clock = Clock()
     with open_db(tmp_path, clock, host_pages=2, disk_bytes=None) as db:
         ka = db.block_keys(list(range(12)), tenant="t")
@@ -104,13 +105,17 @@ def test_shared_blocks_stay_and_host_pressure_goes_to_disk(tmp_path):
         db.put_blocks(db.block_keys(list(range(300, 308)), tenant="t"), blocks_for(2, 9))  # fill the host
         db.begin_session("s", tenant="t")
         agent_call(db, "s", "b", kb, torch.cat([b[:1], blocks_for(1, 4)]))
-        agent_call(db, "s", "a", ka, b, wait_s=30.0)
+        agent_call(db, "s", "a", ka, b, wait_s=120.0)
         assert db.stats()["tiers"]["device"]["pages"] == 4  # full: pressure at a's wait
         db.run_plans()
         assert tiers(db, ka) == ["device", None, None]
         assert all(db.contains(k) for k in ka)  # on disk, nothing lost (E4)
-        assert db.stats()["plans"]["planned_offload_blocks"] == 2
-        clock.t += 30.0
+        p = db.stats()["plans"]
+        assert p["planned_offload_blocks"] == p["planned_disk_offload_blocks"] == 2
+        plan = db._agents[("s", "a")]
+        lead = plan.return_s - plan.timer.due_s
+        assert lead > 2 * 3 * db._s_per_page + 0.25  # disk blocks count at the disk's rate
+        clock.t += 120.0
         db.run_plans()
         assert tiers(db, ka) == ["device"] * 3
         out = torch.empty((3, *LAYOUT.block_shape))
