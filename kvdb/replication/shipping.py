@@ -366,12 +366,9 @@ class LogShipper:
                 raise InvalidInput("this leader cannot re-seed followers (it ships a log directory, not a Db)")
             f.reseed_asked = True
             ch = f.channel
-            restart = not self._stopping and (f.thread is None or not f.thread.is_alive())
+            self._cond.notify_all()  # a follower thread parked in needs_reseed goes on
         if ch is not None:
             ch.close()  # the running stream reconnects and re-seeds
-        if restart:
-            f.thread = threading.Thread(target=self._run, args=(f,), name=f"kvdb-ship-{f.addr}", daemon=True)
-            f.thread.start()
 
     def _save_slots(self, force: bool = False) -> None:
         if self.state_dir is None:
@@ -405,7 +402,10 @@ class LogShipper:
             except _Reseed as e:
                 self._set(f, state="needs_reseed", error=str(e))
                 log.error("%s", e)
-                return
+                with self._cond:  # parked until reseed() is asked for, or the shipper stops
+                    while not (self._stopping or f.reseed_asked):
+                        self._cond.wait()
+                continue
             except (ReplicationError, OSError, KvdbError) as e:
                 self._set(f, state="disconnected", error=str(e))
                 log.info("log stream to %s: %s", f.addr, e)
@@ -441,6 +441,8 @@ class LogShipper:
             try:
                 if why is not None or f.reseed_asked:
                     if self.store is None or not pos.get("reseed"):
+                        with self._cond:
+                            f.reseed_asked = False  # cannot be done: parked until asked again
                         raise _Reseed(f"{why or 'a re-seed was asked for'}, and "
                                       + ("this leader has no Db to copy" if self.store is None else
                                          "the follower cannot be re-seeded (memory-only, or not run by "
@@ -522,6 +524,8 @@ class LogShipper:
             with self._cond:
                 if self._stopping:
                     return
+                if f.reseed_asked:
+                    raise ReplicationError(f"stream to {f.addr} restarted for a re-seed")
             sent = f.sent_lsn
             upto = self.source.durable_lsn()
             recs = []
