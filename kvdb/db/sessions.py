@@ -123,7 +123,6 @@ class SharedPrefix:
     key: bytes  # its last block
     keys: tuple  # chain order
     sessions: set = field(default_factory=set)
-    pins: dict = field(default_factory=dict)  # key -> (tier, frame) pinned by the Db
 
 
 class SessionsMixin:
@@ -138,6 +137,7 @@ class SessionsMixin:
         self._session_prefix: dict[str, tuple] = {}  # session -> (tenant, last key), resolved
         self._pending_prefix: dict[str, bytes] = {}  # session -> unresolved last key
         self._protected: dict[bytes, int] = {}  # key -> interested prefixes holding it
+        self._pinned: dict[bytes, tuple] = {}  # key -> (tier, frame) the Db pinned for prefixes (one pin each)
         self._prefix_pinned = [0, 0]  # frames pinned for prefixes, per tier
         self._offload_pending = False
         page = self.layout.page_bytes
@@ -530,45 +530,47 @@ class SessionsMixin:
         if p.sessions:
             return
         del self._prefixes[pk]
-        self._unpin_prefix(p, list(p.pins))
+        free = []
         for k in p.keys:
             n = self._protected[k] - 1
             if n:
                 self._protected[k] = n
             else:
                 del self._protected[k]
+                free.append(k)
+        self._unpin_prefix_keys(free)
 
-    def _unpin_prefix(self, p: SharedPrefix, keys) -> None:
+    def _unpin_prefix_keys(self, keys) -> None:
+        """Drop the Db's prefix pins on these keys (those it holds)."""
         for k in keys:
-            t, f = p.pins.pop(k)
-            self.pool.unpin(t, f)
-            self._prefix_pinned[t.index] -= 1
+            loc = self._pinned.pop(k, None)
+            if loc is not None:
+                self.pool.unpin(*loc)
+                self._prefix_pinned[loc[0].index] -= 1
 
     def _unprotect(self, keys) -> None:
         """Before a delete: the Db's own prefix pins on these keys go (X1)."""
-        gone = set(keys)
-        for p in self._prefixes.values():
-            mine = [k for k in p.pins if k in gone]
-            if mine:
-                self._unpin_prefix(p, mine)
+        self._unpin_prefix_keys(keys)
 
     def _prefix_job(self, pk: tuple) -> None:
-        """X1 on the mover: bring the prefix toward the device, then pin what is resident."""
+        """X1 on the mover: bring the prefix toward the device, then pin what is resident
+        (each key once, whatever number of prefixes hold it)."""
         with self._lock:
             p = self._prefixes.get(pk)
             if self._state != "open" or p is None:
                 return
-            self._unpin_prefix(p, [k for k, (t, _) in p.pins.items() if t.index == HOST])  # pinned pages cannot move
-            moved, _ = self._bring_up([k for k in p.keys if k not in p.pins])
+            pinned = self._pinned
+            self._unpin_prefix_keys([k for k in p.keys if k in pinned and pinned[k][0].index == HOST])  # pinned pages cannot move
+            moved, _ = self._bring_up([k for k in p.keys if k not in pinned])
             self._plan_stats["prefix_prefetch_blocks"] += moved
             for k in p.keys:
                 loc = self.pool.locate(k)
-                if k in p.pins or loc is None:
+                if k in pinned or loc is None:
                     continue
                 t = loc[0]
                 if self._prefix_pinned[t.index] >= int(t.num_frames * PREFIX_PIN_FRACTION):
                     continue
-                p.pins[k] = self.pool.pin(k)
+                pinned[k] = self.pool.pin(k)
                 self._prefix_pinned[t.index] += 1
 
     # ------------------------------------------------------------------ reports
@@ -614,7 +616,7 @@ class SessionsMixin:
             tiers = self._tiers_of(p.keys)
             status = "resident" if tiers["absent"] == 0 else ("partial" if tiers["absent"] < len(p.keys) else "gone")
             out["prefix"] = {"status": status, "blocks": len(p.keys), "tiers": tiers, "sessions": len(p.sessions),
-                             "protected_blocks": len(p.pins)}
+                             "protected_blocks": sum(1 for k in p.keys if k in self._pinned)}
         elif sid in self._pending_prefix:
             out["prefix"] = {"status": "unknown"}
         return out

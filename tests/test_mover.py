@@ -1,0 +1,79 @@
+"""The Db's background mover (kvdb/db/mover.py): jobs in order, timers by due time on an
+injected clock, cancel, shutdown."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from kvdb.db.mover import Mover
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_jobs_run_in_submission_order_and_return_results():
+    m = Mover(Clock())
+    try:
+        seen = []
+        futs = [m.submit(seen.append, i) for i in range(20)]
+        assert [f.result(timeout=5) for f in futs] == [None] * 20
+        assert seen == list(range(20))
+        assert m.submit(lambda a, b: a + b, 2, 3).result(timeout=5) == 5
+        with pytest.raises(ZeroDivisionError):
+            m.submit(lambda: 1 / 0).result(timeout=5)
+        assert m.submit(lambda: "still running").result(timeout=5) == "still running"  # survives a failed job
+    finally:
+        m.shutdown()
+
+
+def test_timers_run_when_due_in_due_order_and_cancel():
+    # Scenario: timers at 30, 10, 20 and a cancelled one at 5; the clock moves by hand.
+    clock = Clock()
+    m = Mover(clock)
+    try:
+        seen = []
+        m.schedule(30.0, seen.append, "c")
+        m.schedule(10.0, seen.append, "a")
+        m.schedule(20.0, seen.append, "b")
+        t = m.schedule(5.0, seen.append, "x")
+        assert t.cancel() and m.num_timers == 3
+        m.run_due()
+        assert seen == []
+        clock.t = 20.0
+        m.run_due()
+        assert seen == ["a", "b"]
+        clock.t = 100.0
+        m.run_due()
+        assert seen == ["a", "b", "c"] and m.num_timers == 0
+        done = m.schedule(0.0, seen.append, "late")
+        m.run_due()
+        assert seen[-1] == "late" and not done.cancel()  # it ran: too late to cancel
+    finally:
+        m.shutdown()
+
+
+def test_a_due_timer_goes_before_later_jobs_and_shutdown_drops_timers():
+    clock = Clock()
+    m = Mover(clock)
+    seen = []
+    hold = threading.Event()
+    m.submit(hold.wait)
+    m.submit(seen.append, "job")
+    m.schedule(1.0, seen.append, "timer")
+    clock.t = 2.0
+    hold.set()
+    m.run_due()
+    assert seen == ["timer", "job"]  # due while the first job ran: it goes first
+    t = m.schedule(50.0, seen.append, "never")
+    m.submit(seen.append, "queued")
+    m.shutdown()
+    assert seen[-1] == "queued" and t.cancelled
+    with pytest.raises(RuntimeError):
+        m.submit(seen.append, 1)
