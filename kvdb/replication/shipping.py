@@ -73,6 +73,13 @@ from kvdb.wal.reader import map_file, scan_segment
 log = logging.getLogger("kvdb.replication")
 
 DEFAULT_BATCH_BYTES = 32 << 20
+#: an idle stream looks for newly durable records every POLL_MIN_S for POLL_HOT_S after the
+#: last record it sent, then doubles the interval up to POLL_MAX_S (a fixed 50 ms poll made
+#: every commit wait 25 ms on average). The cold tier has no durability listener that could
+#: wake the streams right after a group commit; ``notify()`` is where one would call in.
+POLL_MIN_S = 0.001
+POLL_HOT_S = 0.1
+POLL_MAX_S = 0.05
 APPLIED_NAME = "applied_lsn"
 SLOTS_NAME = "slots.json"
 LOG_ID_NAME = "log_id"
@@ -297,6 +304,7 @@ class LogShipper:
         self.state_dir = Path(state_dir) if state_dir is not None else None
         self._transport_arg = transport
         self.batch_bytes = int(batch_bytes)
+        self.poll_min_s, self.poll_max_s = POLL_MIN_S, POLL_MAX_S  # idle streams (POLL_MIN_S)
         self.page_bytes = page_bytes
         self._cond = threading.Condition()  # guards every _Follower field and _stopping
         self._stopping = False
@@ -520,6 +528,8 @@ class LogShipper:
         in_flight: deque[int] = deque()
         half = int(region["bytes"]) // 2 if region else self.batch_bytes
         batch_no = 0
+        idle_s = self.poll_min_s
+        last_sent = time.monotonic()
         while True:
             with self._cond:
                 if self._stopping:
@@ -536,6 +546,7 @@ class LogShipper:
                 batch_no += 1
                 self._set(f, sent_lsn=recs[-1][0])
                 in_flight.append(recs[-1][0])
+                idle_s, last_sent = self.poll_min_s, time.monotonic()  # writes are flowing
                 continue
             if in_flight:
                 ack = ch.expect(MsgType.SHIP_ACK)
@@ -548,7 +559,9 @@ class LogShipper:
                 continue
             with self._cond:
                 if not self._stopping:
-                    self._cond.wait(0.05)
+                    self._cond.wait(idle_s)  # notify() (sync_replicas) wakes it at once
+            if time.monotonic() - last_sent > POLL_HOT_S:
+                idle_s = min(self.poll_max_s, 2 * idle_s)
 
     def _send_batch(self, ch, transport, region, bufs, half, batch_no, recs, meta=None) -> None:
         total = sum(b.nbytes for _, b in recs)
