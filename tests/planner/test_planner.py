@@ -311,8 +311,8 @@ def test_tokencake_scenario_offloads_waiting_sessions():
 
 def test_kvdb_infers_fan_in_without_a_workflow():
     # Scenario: no workflow. Coordinator c calls (no hint), then workers w1, w2 call with tool
-    # waits of 30 s and 50 s: c is taken to wait for them, so its private blocks are planned
-    # for the last return + one LLM call (50 + 2 = 52 s); each worker's for its own return.
+    # waits of 30 s and 50 s after their 2 s LLM calls: each worker is planned for its tool's
+    # return (32 s, 52 s); c is taken to wait for them: the last return + one LLM call (54 s).
     r = make_policy("kvdb", 16)
     p = Planner([r], clock=lambda: 0.0)
     ctx, _ = p.call_started("s", agent_id="c", now_s=0.0)
@@ -322,4 +322,4 @@ def test_kvdb_infers_fan_in_without_a_workflow():
     r.record_access([3, 4], ["a0", "aleaf"], ctx)
     ctx, _ = p.call_started("s", agent_id="w2", hints={"expected_tool_duration_s": 50.0}, now_s=0.0)
     r.record_access([5, 6], ["b0", "bleaf"], ctx)
-    assert [r.debug_plan(f) for f in range(7)] == [52.0, 52.0, None, 30.0, None, 50.0, None]
+    assert [r.debug_plan(f) for f in range(7)] == [54.0, 54.0, None, 32.0, None, 52.0, None]

@@ -45,11 +45,19 @@ from __future__ import annotations
 import heapq
 import math
 from array import array
-from typing import Any, Hashable
+from collections.abc import Hashable
+from typing import Any
 
 from kvdb.buffer_pool.replacer import AccessContext, Replacer
 from kvdb.errors import InvalidInput
-from kvdb.planner.events import CallFinished, CallStarted, HintGiven, SessionBegan, SessionEnded
+from kvdb.planner.events import (
+    CallFinished,
+    CallStarted,
+    HintGiven,
+    SessionBegan,
+    SessionEnded,
+)
+from kvdb.planner.policies.gaps import GapEstimator, gap_bin
 from kvdb.planner.policies.reuse import ReuseEstimator
 from kvdb.planner.workflow import Workflow
 
@@ -63,6 +71,8 @@ LLM_CALL_S = 2.0  # default time from a node's CallFinished to its end (W5): the
 TOOL_DEFAULT_S = 10.0  # a tool's duration before any has been observed
 TOOL_ALPHA = 0.1  # EWMA weight of one observed tool wait
 REPLAN_TOLERANCE_S = 0.5
+CALLS_CAP = 8  # an agent's calls so far, as a context of its estimates, saturate here
+PREFER_ALPHA = 0.1  # EWMA weight of one comparison of an agent's free and fan-in estimates
 
 
 class PlannedReplacer(Replacer):
@@ -105,7 +115,14 @@ class PlannedReplacer(Replacer):
         self._agent_plan: dict[tuple, float] = {}  # (session, agent) -> t_next it was planned for
         self._tool_s = TOOL_DEFAULT_S
         self._sess_wait: dict[str, float] = {}  # no-workflow session -> when its last tool wait ends
-        self._fan_in: dict[str, dict[tuple, list]] = {}  # session -> agents waiting on siblings
+        self._fan_in: dict[str, dict[tuple, tuple[int, int]]] = {}  # session -> waiting agent -> (gap bin, wait epoch)
+        self._epoch: dict[str, int] = {}  # no-workflow session -> number of its waits so far
+        self._sess_agents: dict[str, dict[tuple, None]] = {}  # session -> its agents with a last chain
+        self._gaps = GapEstimator()  # residuals of next-call estimates, learned online (_infer)
+        self._pending: dict[tuple, list[tuple]] = {}  # agent -> [(contexts, base s)] of its open estimates
+        self._last_call: dict[tuple, float] = {}  # agent -> time of its last call
+        self._prefer: dict[tuple, float] = {}  # (agent, gap bin) -> > 0: fan-in estimates came closer
+        self._feat: dict[tuple, tuple[int, int]] = {}  # agent -> (octave of the gap before its last call, calls before it)
         if not llm_call_s >= 0:
             raise InvalidInput(f"llm_call_s must be a number >= 0, got {llm_call_s!r}")
         self._llm_s = float(llm_call_s)
@@ -184,18 +201,24 @@ class PlannedReplacer(Replacer):
                 d = self._interest[f]
                 if d is None:
                     d = self._interest[f] = {}
-                d[key] = t
+                d[key] = (t, t + PLAN_SLACK_FACTOR * max(0.0, t - now) + PLAN_SLACK_S)
                 self._refresh(f, now)
 
     def _refresh(self, f: int, now: float) -> None:
         """Re-plan frame f from the agents interested in it."""
         d = self._interest[f]
+        t = deadline = math.inf
+        if d:
+            for k in [k for k, e in d.items() if e[1] < now]:  # that agent's plan proved wrong
+                del d[k]
+            for u, dl in d.values():
+                if u < t:
+                    t, deadline = u, dl
         if not d:
             self._interest[f] = None
             if self._planned[f]:
                 self._unplan(f)
             return
-        t = min(d.values())
         if t == math.inf:  # nobody has anything left to run with it
             if not self._shared[f]:
                 self._h[f] = -math.inf
@@ -204,7 +227,7 @@ class PlannedReplacer(Replacer):
             else:
                 self._push_gd(f)
             return
-        self._set_plan(f, t, t + PLAN_SLACK_FACTOR * max(0.0, t - now) + PLAN_SLACK_S, replace=True)
+        self._set_plan(f, t, deadline, replace=True)
 
     def _observe_tools(self, wf: Workflow, node_id: str, now: float) -> None:
         """Learn tool durations: a node whose dep is a tool started when that tool ended."""
@@ -241,26 +264,35 @@ class PlannedReplacer(Replacer):
             else:
                 self._returns.pop(sid, None)
         state, hits, reuse = self._state, self._hits, self._reuse
-        wf_agent = self._current if (sid is not None and self._current[0] == sid and sid in self._workflows) else None
-        if wf_agent is not None:
-            plan = None  # the workflow's estimate replaces the per-call hint (_replan at CallFinished)
+        agent = None  # (session, agent) whose last chain this call (re)starts or extends
+        new_call = False
+        if sid is not None:
+            if self._current[0] == sid:
+                agent = self._current
+                new_call = not self._chain_open
+                self._chain_open = True
+            else:  # no CallStarted for it: every record_access is a call of its own
+                agent = (sid, None)
+                new_call = True
+            plan = None  # the agent's estimate (workflow W5, or _infer) replaces the per-call hint
+        wf = sid is not None and sid in self._workflows
         last = len(frames) - 1
-        if wf_agent is not None:
+        if agent is not None:
             # the engine may report one call in several record_access calls (lookup, then the
             # new blocks): the first after CallStarted starts the agent's chain, later ones extend it
             inc = self._inc
             links = [(f, inc[f]) for f in frames]
-            if self._chain_open:
-                self._agent_chain.setdefault(wf_agent, []).extend(links)
+            if not new_call:
+                self._agent_chain.setdefault(agent, []).extend(links)
             else:
-                old = self._agent_chain.get(wf_agent)
-                self._agent_chain[wf_agent] = links
-                self._chain_open = True
+                old = self._agent_chain.get(agent)
+                self._agent_chain[agent] = links
+                self._sess_agents.setdefault(sid, {})[agent] = None
                 if old:  # the agent moved on: it no longer waits for blocks left out of its new chain
                     keep = set(frames)
                     for f, i in old:
                         if inc[f] == i and f not in keep and self._interest[f] is not None:
-                            self._interest[f].pop(wf_agent, None)
+                            self._interest[f].pop(agent, None)
                             self._refresh(f, now)
         L = self._L
         kls = self._kls
@@ -299,67 +331,151 @@ class PlannedReplacer(Replacer):
             self._own(f, sid)
             if plan is not None and not leaf and not self._shared[f]:
                 self._set_plan(f, plan[0], plan[1])
-            elif wf_agent is not None and self._planned[f] and self._deadline[f] > now:
-                pass  # its interested agents re-plan it when the call finishes (_replan)
+            elif agent is not None and self._planned[f] and self._deadline[f] > now:
+                pass  # its interested agents re-plan it (_replan at CallFinished, or _infer below)
             else:  # an access fulfils the plan (or there was none)
                 if self._planned[f]:
                     self._planned[f] = 0
                     self._pver[f] += 1
                 self._push_gd(f)
-        if sid is not None and wf_agent is None:
-            self._infer_fan_in(sid, frames, hints.get("expected_tool_duration_s"), now)
+        if agent is not None and not wf:
+            self._infer(agent, hints, now, new_call)
         if reuse.epoch_due():
             reuse.update(self._tc)
 
-    def _infer_fan_in(self, sid: str, frames, d: float | None, now: float) -> None:
-        """Sessions without a workflow: an agent whose call carries no tool-wait hint while
-        siblings of its session wait on tools is taken to wait for them (fan-in, as a
-        coordinator does): its private blocks are planned for the last sibling's return + one
-        LLM call. Hinted calls extend the session's wait and re-plan those waiting agents."""
-        key = self._current if self._current[0] == sid else (sid, None)
-        waiting = self._fan_in.setdefault(sid, {})
-        inc = self._inc
-        if d is not None:
-            waiting.pop(key, None)
-            until = self._sess_wait.get(sid, 0.0)
-            self._sess_wait[sid] = max(until if until > now else 0.0, now + d)
-            t = self._sess_wait[sid] + self._llm_s
-            for k, chain in waiting.items():
-                self._plan_links(chain, t, now)
-            return
-        links = [(f, inc[f]) for f in frames]
-        waiting[key] = links
-        until = self._sess_wait.get(sid, 0.0)
-        if until > now:
-            self._plan_links(links, until + self._llm_s, now)
+    def _infer(self, agent: tuple, hints: dict[str, Any], now: float, new_call: bool) -> None:
+        """Sessions without a workflow: estimate when ``agent`` calls next and plan its chain.
 
-    def _plan_links(self, links, t: float, now: float) -> None:
-        inc, state, leaf, shared = self._inc, self._state, self._leaf, self._shared
-        deadline = t + PLAN_SLACK_FACTOR * (t - now) + PLAN_SLACK_S
-        for f, i in links:
-            if inc[f] == i and state[f] != ABSENT and not leaf[f] and not shared[f] and self._interest[f] is None:
-                self._set_plan(f, t, deadline, replace=True)
+        * a tool-wait hint d: after this call (one LLM call) and the tool, now + llm + d; it
+          extends the session's wait (until its last tool returns) and re-plans the agents
+          taken to wait for it;
+        * no hint while siblings wait on tools (fan-in, as a coordinator does): the end of
+          their wait + one LLM call + the learned residual of its context (GapEstimator);
+        * no hint and nobody waiting: now + the learned residual, or unplanned while its
+          context has too few observations. An agent calling without a hint also joins the
+          session's next wait: a coordinator's plan call comes before its workers' hints.
+        * ``ttl_s``: kept until now + ttl.
+        The agent's next call closes its pending prediction: the residual is learned."""
+        sid, name = agent
+        if new_call:
+            pend = self._pending.pop(agent, ())
+            for ctxs, base, _ in pend:
+                self._gaps.observe(ctxs, now - base)
+            if len(pend) == 2:  # which estimate came closer ("at once" when it had none)
+                (c, b, t_free), (_, b2, t_fan) = pend
+                t_free = b if t_free is None else t_free
+                t_fan = b2 if t_fan is None else t_fan
+                won = 1.0 if abs(now - t_fan) <= abs(now - t_free) else -1.0
+                k = c[1][1:]
+                old = self._prefer.get(k, 0.0)
+                self._prefer[k] = old + PREFER_ALPHA * (won - old)
+            prev = self._last_call.get(agent)
+            self._last_call[agent] = now
+            calls = self._feat[agent][1] + 1 if agent in self._feat else 0
+            self._feat[agent] = (gap_bin(None if prev is None else now - prev), min(calls, CALLS_CAP))
+        waiting = self._fan_in.setdefault(sid, {})
+        d = hints.get("expected_tool_duration_s")
+        until = self._sess_wait.get(sid, 0.0)
+        epoch = self._epoch.get(sid, 0)
+        if d is not None:
+            waiting.pop(agent, None)
+            self._pending.pop(agent, None)
+            if until <= now:  # a new wait begins: waiters of older ones have moved on
+                epoch += 1
+                self._epoch[sid] = epoch
+                until = 0.0
+            t = now + self._llm_s + d
+            self._plan_agent(agent, t, now)
+            if t > until:
+                self._sess_wait[sid] = t
+                base = t + self._llm_s
+                for k, (ft, ep) in list(waiting.items()):
+                    if ep != epoch:
+                        del waiting[k]
+                        continue
+                    ctxs = (("fan-in", k[1], *ft), ("fan-in", k[1], ft[0]), ("fan-in", k[1]), ("fan-in",))
+                    # one that called with nobody waiting keeps that estimate too (the last
+                    # worker back calls again with the next round's workers): the earlier wins
+                    # one that called with nobody waiting keeps that estimate too (the last
+                    # worker back calls again with the next round's workers); the one that came
+                    # closer for its (agent, gap bin) so far is used
+                    pend = [e for e in self._pending.get(k, ()) if e[0][-1][0] == "free"]
+                    self._pending[k] = [*pend, (ctxs, base, self._raw(ctxs, base))]
+                    if pend and self._prefer.get(pend[0][0][1][1:], 0.0) < 0:
+                        continue  # its own estimate stands
+                    self._plan_agent(k, self._estimate(ctxs, base, now, True), now)
+            return
+        ttl = hints.get("ttl_s")
+        if ttl is not None:
+            self._pending.pop(agent, None)
+            self._plan_agent(agent, now + ttl / (1.0 + PLAN_SLACK_FACTOR), now)
+            return
+        ft = self._feat.get(agent, (-1, 0))
+        if until > now:
+            kind, base = "fan-in", until + self._llm_s
+            waiting[agent] = (ft, epoch)
+        else:
+            kind, base = "free", now
+            waiting[agent] = (ft, epoch + 1)
+        ctxs = ((kind, name, *ft), (kind, name, ft[0]), (kind, name), (kind,))
+        self._pending[agent] = [(ctxs, base, self._raw(ctxs, base))]
+        self._plan_agent(agent, self._estimate(ctxs, base, now, kind == "fan-in"), now)
+
+    def _raw(self, ctxs: tuple, base: float) -> float | None:
+        r = self._gaps.predict(ctxs)
+        return None if r is None else base + r
+
+    def _estimate(self, ctxs: tuple, base: float, now: float, fan_in: bool) -> float | None:
+        """base + the context's learned residual, its distance from now stretched by
+        1 / P(the agent calls again): an agent that may never return ranks as a later one."""
+        g = self._gaps
+        r = g.predict(ctxs)
+        if r is None and not fan_in:
+            return None
+        t = base + (r or 0.0)
+        return now + (t - now) / g.p_next(ctxs) ** 2
+
+    def _plan_agent(self, agent: tuple, t: float | None, now: float) -> None:
+        """Plan (t) or release (None) the agent's interest in every block of its last chain."""
+        chain = self._agent_chain.get(agent)
+        if not chain:
+            return
+        if t is None:
+            self._agent_plan.pop(agent, None)
+        else:
+            self._agent_plan[agent] = t
+        inc, state, leaf, interest = self._inc, self._state, self._leaf, self._interest
+        for f, i in chain:
+            if inc[f] != i or state[f] == ABSENT or leaf[f]:
+                continue
+            d = interest[f]
+            if t is None:
+                if d is not None and agent in d:
+                    del d[agent]
+                    self._refresh(f, now)
+                continue
+            if d is None:
+                d = interest[f] = {}
+            d[agent] = (t, t + PLAN_SLACK_FACTOR * max(0.0, t - now) + PLAN_SLACK_S)
+            self._refresh(f, now)
 
     def on_event(self, event: Any) -> None:
         if isinstance(event, CallStarted):
             self._current = (event.session_id, event.agent_id)
             self._chain_open = False
-            if event.now_s > self._now:
-                self._now = event.now_s
+            self._now = max(self._now, event.now_s)
         elif isinstance(event, SessionBegan):
             if event.workflow is not None:
                 self._workflows[event.session_id] = event.workflow
         elif isinstance(event, CallFinished):
-            if event.now_s > self._now:
-                self._now = event.now_s
+            self._now = max(self._now, event.now_s)
             sid = event.session_id
             if sid in self._workflows:
                 if event.node_id is not None and event.node_id in self._workflows[sid].nodes:
                     self._observe_tools(self._workflows[sid], event.node_id, self._now)
                 self._replan(sid, self._now, changed=(sid, event.agent_id))
         elif isinstance(event, HintGiven):
-            if event.now_s > self._now:
-                self._now = event.now_s
+            self._now = max(self._now, event.now_s)
             plan = self._plan_for(event.hints, self._now)
             if plan is not None and "expected_tool_duration_s" in event.hints:
                 self._returns[event.session_id] = plan[0]
@@ -374,18 +490,22 @@ class PlannedReplacer(Replacer):
                 elif not self._planned[f]:
                     self._push_gd(f)
         elif isinstance(event, SessionEnded):
-            if event.now_s > self._now:
-                self._now = event.now_s
+            self._now = max(self._now, event.now_s)
             self._returns.pop(event.session_id, None)
             self._workflows.pop(event.session_id, None)
             self._sess_wait.pop(event.session_id, None)
             self._fan_in.pop(event.session_id, None)
-            for key in [k for k in self._agent_chain if k[0] == event.session_id]:
-                for f, i in self._agent_chain.pop(key):
+            self._epoch.pop(event.session_id, None)
+            for key in self._sess_agents.pop(event.session_id, ()):
+                for f, i in self._agent_chain.pop(key, ()):
                     if self._inc[f] == i and self._interest[f] is not None:
                         self._interest[f].pop(key, None)
                         self._refresh(f, self._now)
                 self._agent_plan.pop(key, None)
+                for ctxs, _, _ in self._pending.pop(key, ()):
+                    self._gaps.missed(ctxs)
+                self._last_call.pop(key, None)
+                self._feat.pop(key, None)
             for f in sorted(self._session_frames.pop(event.session_id, ())):
                 self._sess[f] = None
                 if self._state[f] == ABSENT or self._shared[f]:
