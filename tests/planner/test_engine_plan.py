@@ -279,13 +279,16 @@ def test_prefix_hash_of_another_tenant_resolves_to_nothing(tmp_path):
     # key and by the engine hash acme used: neither resolves, nothing is revealed or pinned.
     clock = Clock()
     with open_db(tmp_path, clock) as db:
-        keys, last = _store_prefix_chain(db, "s0", "acme")
+        _, last = _store_prefix_chain(db, "s0", "acme")
         ek = db.engine_keys([77], tenant="acme")
         db.begin_session("s1", tenant="acme")
         agent_call(db, "s1", "a", ek, blocks_for(1))
+        db.begin_session("e0", tenant="evil")
+        never = db.hint("e0", prefix_hash="ab" * 16)[0]  # a key nobody stored: the reference answer
         for h in (last.hex(), 77):
-            db.begin_session("e", tenant="evil", hints={"prefix_hash": h})
-            assert db.explain(session_id="e")["prefix"] == {"status": "unknown"}
+            out = db.begin_session("e", tenant="evil", hints={"prefix_hash": h})
+            assert (out[0].status, out[0].reason) == ("clipped", never.reason)  # same answer as for nothing
+            assert db.explain(session_id="e")["prefix"] == db.explain(session_id="e0")["prefix"] == {"status": "unknown"}
             db.end_session("e")
         db.run_plans()
         st = db.stats()
