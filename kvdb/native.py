@@ -151,3 +151,70 @@ def copy_pages(dst: np.ndarray, dst_frames, src: np.ndarray, src_frames, page_by
         page_bytes,
         n,
     )
+
+
+# ---------------------------------------------------------------- group commit
+
+
+class Committer:
+    """The native group-commit thread of one log (native/kvdb_native.c "group commit").
+
+    ``wait(lsn)`` blocks with the GIL released until ``lsn`` is durable and returns the durable
+    lsn; after a failed fsync it raises ``OSError(errno)`` (then and for ever after, K2); after
+    ``stop`` it returns the durable lsn when ``lsn`` is covered and raises ``CommitterClosed``
+    otherwise. The pure-Python twin is kvdb/wal/writer.py's leader/follower group commit
+    (``LogWriter(native_commit=False)``); tests run both."""
+
+    def __init__(self, path: str, durable_lsn: int, gather_s: float, num_workers: int = 2) -> None:
+        if _lib is None:
+            raise RuntimeError("the native group committer needs the compiled core (kvdb._native)")
+        c = _lib.kvdb_committer_open(os.fsencode(path), durable_lsn, int(gather_s * 1e9), num_workers)
+        if c == _ffi.NULL:
+            err = _ffi.errno
+            raise OSError(err, f"cannot start the group commit thread: {os.strerror(err)}")
+        # freed when the last reference goes: a thread inside wait() holds one (the argument)
+        self._c = _ffi.gc(c, _lib.kvdb_committer_free)
+        self._wait = _lib.kvdb_committer_wait
+
+    def wait(self, lsn: int) -> int:
+        r = self._wait(self._c, lsn)
+        if r >= 0:
+            return r
+        if r == _lib.KVDB_COMMIT_CLOSED:
+            raise CommitterClosed("the log's group commit thread has stopped")
+        raise OSError(-r, os.strerror(-r))
+
+    def set_path(self, path: str) -> None:
+        r = _lib.kvdb_committer_set_path(self._c, os.fsencode(path))
+        if r < 0:
+            raise OSError(-r, os.strerror(-r))
+
+    def publish(self, lsn: int) -> None:
+        _lib.kvdb_committer_publish(self._c, lsn)
+
+    def fail(self, err: int) -> None:
+        _lib.kvdb_committer_fail(self._c, err)
+
+    @property
+    def durable_lsn(self) -> int:
+        return _lib.kvdb_committer_durable(self._c)
+
+    @property
+    def num_fsyncs(self) -> int:
+        return _lib.kvdb_committer_fsyncs(self._c)
+
+    @property
+    def error(self) -> int:
+        return _lib.kvdb_committer_error(self._c)
+
+    def debug_fail_next(self, err: int) -> None:
+        """Tests: the committer's next fsync fails with ``err`` (EIO, ENOSPC)."""
+        _lib.kvdb_committer_debug_fail_next(self._c, err)
+
+    def stop(self) -> None:
+        """Fsync what waiters are owed (K4), join the thread, wake everyone. Idempotent."""
+        _lib.kvdb_committer_stop(self._c)
+
+
+class CommitterClosed(Exception):
+    """A wait on a Committer that stopped before the lsn became durable."""

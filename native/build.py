@@ -10,6 +10,20 @@ void kvdb_sha256_chain(const uint8_t *seed, const uint32_t *tokens, size_t n_blo
                        size_t block_tokens, uint8_t *keys_out);
 void kvdb_copy_pages(uint8_t *dst, const int64_t *dst_frames, const uint8_t *src,
                      const int64_t *src_frames, size_t page_bytes, size_t n);
+
+typedef struct kvdb_committer kvdb_committer;
+#define KVDB_COMMIT_CLOSED ...
+kvdb_committer *kvdb_committer_open(const char *path, int64_t durable_lsn, int64_t gather_ns, int num_workers);
+int kvdb_committer_set_path(kvdb_committer *c, const char *path);
+int64_t kvdb_committer_wait(kvdb_committer *c, int64_t lsn);
+void kvdb_committer_publish(kvdb_committer *c, int64_t lsn);
+void kvdb_committer_fail(kvdb_committer *c, int err);
+int64_t kvdb_committer_durable(kvdb_committer *c);
+uint64_t kvdb_committer_fsyncs(kvdb_committer *c);
+int kvdb_committer_error(kvdb_committer *c);
+void kvdb_committer_debug_fail_next(kvdb_committer *c, int err);
+void kvdb_committer_stop(kvdb_committer *c);
+void kvdb_committer_free(kvdb_committer *c);
 """
 
 ffibuilder = FFI()
@@ -18,7 +32,7 @@ _here = Path(__file__).resolve().parent
 ffibuilder.set_source(
     "kvdb._native",
     (_here / "kvdb_native.c").read_text(),
-    libraries=["crypto"],
+    libraries=["crypto", "pthread"],
     extra_compile_args=["-O3", "-std=c11", "-Wall"],
 )
 

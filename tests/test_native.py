@@ -3,8 +3,10 @@ plus known-answer vectors that pin the meaning of the twins themselves."""
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import struct
+import threading
 
 import numpy as np
 import pytest
@@ -279,3 +281,112 @@ def test_crc32c_table_path_matches_python(crc_sw, data, value, offset):
     view = backing[offset : offset + len(data)]
     view[:] = np.frombuffer(data, dtype=np.uint8)
     assert crc_sw(view, value) == native.py_crc32c(data, value) == native.crc32c(data, value)
+
+
+# ---------------------------------------------------------------- group commit (Committer)
+# Its pure-Python twin is the leader/follower group commit of kvdb/wal/writer.py; the two are
+# compared end to end (same log bytes) in tests/cold/test_group_commit.py.
+
+
+@pytest.fixture
+def committer(tmp_path):
+    path = tmp_path / "seg"
+    path.write_bytes(b"")
+    c = native.Committer(str(path), 10, gather_s=0.0005, num_workers=2)
+    yield c
+    c.stop()
+
+
+def test_committer_waits_publishes_and_counts(committer):
+    c = committer
+    assert c.durable_lsn == 10
+    assert c.wait(7) == 10  # already durable: no fsync
+    assert c.num_fsyncs == 0
+    assert c.wait(12) == 12  # one fsync covers it
+    assert c.num_fsyncs == 1
+    c.publish(15)  # an fsync done by the writer itself
+    assert c.durable_lsn == 15 and c.wait(14) == 15
+    c.publish(13)  # durable only grows (K1)
+    assert c.durable_lsn == 15
+
+
+def test_committer_wakes_every_waiter_of_a_batch(committer):
+    c = committer
+    got: dict = {}
+    threads = [threading.Thread(target=lambda n=n: got.__setitem__(n, c.wait(n))) for n in range(11, 31)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert sorted(got) == list(range(11, 31))
+    assert all(got[n] >= n for n in got)
+    assert c.durable_lsn == 30
+    assert 1 <= c.num_fsyncs <= 20
+
+
+@pytest.mark.parametrize("err", [errno.EIO, errno.ENOSPC])
+def test_committer_failed_fsync_is_sticky(committer, err):
+    c = committer
+    assert c.wait(11) == 11
+    c.debug_fail_next(err)
+    with pytest.raises(OSError) as e:
+        c.wait(12)
+    assert e.value.errno == err and c.error == err
+    with pytest.raises(OSError):  # K2: no later fsync acknowledges anything
+        c.wait(13)
+    assert c.durable_lsn == 11
+    assert c.wait(11) == 11  # what was durable stays so
+    c.publish(20)  # not even the writer's own fsync (it cannot know the pages survived)
+    assert c.durable_lsn == 11
+
+
+def test_committer_fail_wakes_waiters(committer):
+    c = committer
+    c.fail(errno.EIO)
+    with pytest.raises(OSError):
+        c.wait(12)
+
+
+def test_committer_stop_drains_then_refuses(tmp_path):
+    # K4: waiters that arrived before stop are fsynced and woken; a wait after stop that is
+    # not covered raises CommitterClosed; stop is idempotent.
+    path = tmp_path / "seg"
+    path.write_bytes(b"")
+    for _round in range(20):
+        c = native.Committer(str(path), 0, gather_s=0.002, num_workers=3)
+        got: list = []
+        threads = [threading.Thread(target=lambda n=n: got.append(c.wait(n))) for n in range(1, 9)]
+        for t in threads:
+            t.start()
+        c.stop()
+        for t in threads:
+            t.join(30)
+        assert not any(t.is_alive() for t in threads)
+        assert len(got) == 8 or c.durable_lsn >= max(got, default=0)
+        with pytest.raises(native.CommitterClosed):
+            c.wait(c.durable_lsn + 1)
+        assert c.wait(c.durable_lsn) == c.durable_lsn
+        c.stop()
+
+
+def test_committer_follows_the_active_segment(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.write_bytes(b"")
+    b.write_bytes(b"")
+    c = native.Committer(str(a), 0, gather_s=0.0, num_workers=1)
+    try:
+        assert c.wait(1) == 1
+        c.set_path(str(b))
+        a.unlink()  # the workers reopen the new path; the old one may go
+        assert c.wait(2) == 2
+        c.set_path(str(tmp_path / "missing"))
+        with pytest.raises(OSError) as e:  # cannot open it: a failure like any other (K2)
+            c.wait(3)
+        assert e.value.errno == errno.ENOENT
+    finally:
+        c.stop()
+
+
+def test_committer_rejects_bad_worker_counts(tmp_path):
+    with pytest.raises(OSError):
+        native.Committer(str(tmp_path), 0, gather_s=0.0, num_workers=0)

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
-"""SIGKILL soak of the cold tier: a child process writes blocks under ``sync`` and prints each
-acknowledged key; the parent kills it with SIGKILL at a random moment, reopens the store, checks
-that every acknowledged block reads back bit-exact and that ``verify`` is clean, and repeats on
-the same directory (so every round also recovers from the previous kill).
+"""SIGKILL soak of the cold tier: a child process writes blocks under ``sync`` and ``group`` and
+prints each acknowledged key; the parent kills it with SIGKILL at a random moment, reopens the
+store, checks that every acknowledged block reads back bit-exact and that ``verify`` is clean,
+and repeats on the same directory (so every round also recovers from the previous kill).
 
     python tools/soak_sigkill.py --kills 1000 [--path DIR] [--seed 0] [--json]
 
@@ -56,7 +56,8 @@ def _import_cold_tier_only() -> None:
 
 
 def child(path: str, round_no: int) -> None:
-    """Write forever: batches of 1-4 blocks under ``sync``; print each acknowledged key."""
+    """Write forever: batches of 1-4 blocks under ``sync`` or ``group`` (some under ``none``,
+    acknowledged by the next durable put); print each acknowledged key."""
     import numpy as np
 
     from kvdb.cold.store import ColdStore
@@ -72,9 +73,10 @@ def child(path: str, round_no: int) -> None:
         n = rng.randint(1, 4)
         keys = [key_of(round_no, i + j) for j in range(n)]
         pages = np.vstack([page_of(k) for k in keys])
-        durability = "sync" if rng.random() < 0.8 else "none"
+        r = rng.random()
+        durability = "sync" if r < 0.4 else "group" if r < 0.8 else "none"  # group: the native committer
         store.put(keys, pages, None, durability)
-        if durability == "sync":  # a sync ack covers every earlier record of the log as well
+        if durability != "none":  # the ack covers every earlier record of the log as well
             acks = [key_of(round_no, x) for x in pending] + keys
             out.write("".join(f"ACK {k.hex()}\n" for k in acks))
             pending.clear()

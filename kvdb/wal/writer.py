@@ -16,6 +16,15 @@ writers share about one fsync per fsync-time, and nobody waits for a timer. (The
 batches ``group`` puts in front of this, kvdb/cold/store.py ``_put_group``.)
 ``sync_to(lsn, own=True)`` (the ``sync`` mode) fsyncs at once without joining a group.
 
+The native committer (``native_commit``; on by default with the real ``OsFs`` and the compiled
+core). Then no Python thread leads: a C thread (native/kvdb_native.c "group commit", invariants
+K1-K4) fsyncs the active segment for everyone waiting, gathers the next batch while nobody holds
+the GIL, and wakes the covered waiters with one broadcast; ``sync_to`` is one call that blocks
+with the GIL released. Appends, rotations, the ``own`` fsync and every failure stay here and
+are handed to it (``publish``, ``set_path``, ``fail``). The leader/follower path above is its
+pure-Python twin: used under a fault-injecting file layer (FaultFs counts and fails *our* I/O
+calls, which the C thread would bypass) and where the compiled core is missing.
+
 Invariants
     W1  records are appended in lsn order and lsns are consecutive (format invariant R1).
     W2  ``durable_lsn`` only grows, and every record with lsn <= durable_lsn has been fsynced.
@@ -26,7 +35,7 @@ Invariants
 Locks
     ``lock``   (re-entrant) guards the active segment, its append offset and next_lsn; the
                store holds it while it queues index updates, so queue order == lsn order.
-    ``_mu``    guards durable_lsn, _syncing, _waiters and _failed.
+    ``_mu``    guards _durable_lsn, _syncing, _waiters and _failed.
     Nesting: ``lock`` is never taken while ``_mu`` is held; the leader releases ``_mu``
     before it captures the segment under ``lock``, and nobody may call ``sync_to`` while
     holding ``lock`` (a waiter sleeping there would block the leader).
@@ -34,11 +43,13 @@ Locks
 
 from __future__ import annotations
 
+import errno
 import os
 import struct
 import threading
 from typing import NamedTuple
 
+from kvdb import native
 from kvdb.errors import DbFailedError, StorageIOError
 from kvdb.format.record import RECORD_HEADER_BYTES, SEGMENT_HEADER_BYTES, buffer_bytes, encode_header, encode_segment_header, segment_name
 from kvdb.wal.fs import OsFs
@@ -69,19 +80,24 @@ class _Segment:
 
 class LogWriter:
     def __init__(self, fs: OsFs, wal_dir: str, *, segment_no: int, offset: int, next_lsn: int,
-                 segment_bytes: int, on_durable=None) -> None:
+                 segment_bytes: int, on_durable=None, native_commit: bool | None = None,
+                 gather_s: float = 0.0005, commit_workers: int = 2) -> None:
+        """``native_commit``: None picks the native committer when the compiled core is there
+        and ``fs`` is the plain OsFs; True insists on it; False keeps the Python leader.
+        ``gather_s``: how long the native committer waits for the writers it last woke."""
         self.fs = fs
         self.wal_dir = wal_dir
         self.segment_bytes = segment_bytes
         self.on_durable = on_durable  # called with the new durable lsn after each fsync
         self.lock = threading.RLock()
-        self._mu = threading.Lock()  # guards durable_lsn, _syncing, _waiters, _failed
+        self._mu = threading.Lock()  # guards _durable_lsn, _syncing, _waiters, _failed
         self._syncing = False  # a leader is fsyncing (or the lead is being handed over)
         self._waiters: list[list] = []  # [lsn, lock, leads] of writers waiting for a leader
         self._failed: BaseException | None = None
         self.next_lsn = next_lsn
-        self.durable_lsn = next_lsn - 1
-        self.num_fsyncs = 0
+        self._durable_lsn = next_lsn - 1  # the Python path's; the committer keeps its own
+        self._num_fsyncs = 0  # fsyncs done by Python threads
+        self.committer: native.Committer | None = None
         self.closed = False
         # fsyncs one leader does back to back before it hands the lead on (its own caller
         # waits meanwhile; the others are woken after each fsync that covers them)
@@ -94,6 +110,25 @@ class LogWriter:
                 self._active = _Segment(segment_no, path, fs.open_append(path), offset)
         except OSError as e:
             raise StorageIOError(f"cannot open log segment {segment_no} in {wal_dir}: {e}") from e
+        if native_commit is None:
+            native_commit = native.HAVE_NATIVE and type(fs) is OsFs
+        if native_commit:
+            try:
+                self.committer = native.Committer(self._active.path, self._durable_lsn, gather_s, commit_workers)
+            except OSError as e:
+                fs.close(self._active.fd)
+                raise StorageIOError(f"cannot start the log committer in {wal_dir}: {e}") from e
+
+    @property
+    def durable_lsn(self) -> int:
+        """Every record with lsn <= this is fsynced (W2)."""
+        c = self.committer
+        return self._durable_lsn if c is None else c.durable_lsn
+
+    @property
+    def num_fsyncs(self) -> int:
+        c = self.committer
+        return self._num_fsyncs + (0 if c is None else c.num_fsyncs)
 
     # -- segments
 
@@ -110,10 +145,12 @@ class LogWriter:
     def _rotate(self) -> None:
         old = self._active
         self.fs.sync(old.fd, old.path)  # W3
-        self.num_fsyncs += 1
         with self._mu:
+            self._num_fsyncs += 1
             self._publish(self.next_lsn - 1)
         self._active = self._create(old.segment_no + 1)
+        if self.committer is not None:
+            self.committer.set_path(self._active.path)  # K3: its workers open it themselves
         old.retired = True
         if old.pins == 0:
             self.fs.close(old.fd)
@@ -141,6 +178,8 @@ class LogWriter:
             waiters, self._waiters = self._waiters, []
         for w in waiters:
             w[1].release()  # they see the failure
+        if self.committer is not None:
+            self.committer.fail(errno.EIO)  # its waiters wake, find _failed set and raise
 
     # -- appends
 
@@ -186,8 +225,10 @@ class LogWriter:
 
     def _publish(self, target: int) -> None:
         """Caller holds ``_mu``: ``durable_lsn`` grows to ``target`` (W2)."""
-        if target > self.durable_lsn:
-            self.durable_lsn = target
+        if target > self._durable_lsn:
+            self._durable_lsn = target
+        if self.committer is not None:
+            self.committer.publish(target)
 
     def _fsync_active(self) -> int:
         """fsync the active segment; returns the last lsn it covers (W4: the fd is pinned)."""
@@ -228,20 +269,22 @@ class LogWriter:
                     raise
                 raise err from e
             with self._mu:
-                self.num_fsyncs += 1
+                self._num_fsyncs += 1
                 self._publish(target)
             if notify and self.on_durable is not None:
                 self.on_durable(target)
             return target
+        if self.committer is not None:
+            return self._wait_native(lsn, notify)
         mu = self._mu
         while True:
             mu.acquire()
             if self._failed is not None:
                 mu.release()
                 self.check()
-            if self.durable_lsn >= lsn:
+            if self._durable_lsn >= lsn:
                 mu.release()
-                return self.durable_lsn
+                return self._durable_lsn
             if not self._syncing:
                 self._syncing = True
                 mu.release()
@@ -254,17 +297,34 @@ class LogWriter:
             if waiter[2]:
                 return self._lead(notify)
 
+    def _wait_native(self, lsn: int, notify: bool) -> int:
+        if self._failed is not None:
+            self.check()
+        try:
+            durable = self.committer.wait(lsn)
+        except OSError as e:  # the committer's fsync failed (K2), or fail() woke us
+            if self._failed is not None:
+                self.check()
+            err = self._failure(e)
+            raise err from e
+        except native.CommitterClosed:
+            self.check()
+            raise
+        if notify and self.on_durable is not None:
+            self.on_durable(durable)
+        return durable
+
     def _lead(self, notify: bool) -> int:
         """The group leader: fsync, wake exactly the waiters it covered, and go on with the
         ones that appended during that fsync (at most ``max_lead_rounds`` fsyncs, then hand
         the lead to one of them). Index updates are applied once, at the end."""
         mu = self._mu
         rounds = 0
-        target = self.durable_lsn
+        target = self._durable_lsn
         while True:
             synced = False
             try:
-                if self.next_lsn - 1 > self.durable_lsn:
+                if self.next_lsn - 1 > self._durable_lsn:
                     target = self._fsync_active()
                     synced = True
                     rounds += 1
@@ -277,9 +337,9 @@ class LogWriter:
                 raise err from e
             mu.acquire()
             if synced:
-                self.num_fsyncs += 1
+                self._num_fsyncs += 1
             self._publish(target)
-            durable = self.durable_lsn
+            durable = self._durable_lsn
             woken = [w for w in self._waiters if w[0] <= durable]
             if woken:
                 self._waiters = rest = [w for w in self._waiters if w[0] > durable]
@@ -309,6 +369,8 @@ class LogWriter:
             if self.closed:
                 return
             self.closed = True
+            if self.committer is not None:
+                self.committer.stop()  # K4: what its waiters are owed is fsynced first
             try:
                 self.fs.close(self._active.fd)
             except OSError:
