@@ -15,7 +15,8 @@ Data directory
     PATH/wal/, PATH/index/  the cold tier (kvdb/cold/), when the disk tier is enabled
 
 Concurrency
-    One lock (``_lock``) guards the pool (page table, frames, replacers, stats). Durable writes
+    One lock (``_lock``) guards the pool (page table, frames, replacers, stats) and the plans
+    (agents' chains, waits, prefixes: kvdb/db/sessions.py). Durable writes
     to the cold tier run *outside* it, so writers on many threads share group commits.
 
 States

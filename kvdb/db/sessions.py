@@ -93,9 +93,8 @@ RATE_ALPHA = 0.2  # EWMA weight of one measured prefetch
 DISK_SLOWDOWN = DEFAULT_COST.host_bytes_per_s / DEFAULT_COST.disk_bytes_per_s  # disk reload vs host
 
 STAT_NAMES = ("waits", "replanned_waits", "planned_offloads", "planned_offload_blocks", "planned_disk_offload_blocks",
-              "planned_prefetches",
-              "planned_prefetch_blocks", "planned_prefetch_hits", "planned_prefetch_misses", "early_calls",
-              "late_prefetches", "cancelled_prefetches", "prefixes_resolved", "prefixes_unknown",
+              "planned_prefetches", "planned_prefetch_blocks", "planned_prefetch_hits", "planned_prefetch_misses",
+              "early_calls", "late_prefetches", "cancelled_prefetches", "prefixes_resolved", "prefixes_unknown",
               "prefix_prefetch_blocks")
 
 
