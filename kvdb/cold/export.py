@@ -65,7 +65,7 @@ class Snapshot:
         self.records_missing = 0  # keys deleted meanwhile, or whose record failed its checks
 
     @classmethod
-    def take(cls, store) -> "Snapshot":
+    def take(cls, store) -> Snapshot:
         store._check()
         lsn = store.durable_lsn
         store.flush()

@@ -98,7 +98,7 @@ def _ship_lags(db, follower: str, kind: str, block, fresh_keys, repeats: int) ->
     rng = random.Random(7)
     lags: dict[str, list[float]] = {"ship_lag_ms": [], "ship_lag_fixed_poll_ms": []}
     for _ in range(repeats):
-        for name in lags:
+        for name, got in lags.items():
             rep = Replicator(db, replicas=[follower], secret=_SECRET, transport=kind)
             try:
                 if name == "ship_lag_fixed_poll_ms":
@@ -109,7 +109,7 @@ def _ship_lags(db, follower: str, kind: str, block, fresh_keys, repeats: int) ->
                     db.put_blocks(fresh_keys()[:1], block, durability="group")
                     t0 = time.perf_counter()
                     rep.shipper.sync(60)  # waits for the follower's ack; does not wake the stream
-                    lags[name].append((time.perf_counter() - t0) * 1e3)
+                    got.append((time.perf_counter() - t0) * 1e3)
             finally:
                 rep.close()
     return lags

@@ -40,13 +40,16 @@ Invariants:
 from __future__ import annotations
 
 import fcntl
+import logging
 import os
 import shutil
 import time
 from pathlib import Path
 
-from kvdb.errors import DbLockedError, ReplicationError
+from kvdb.errors import DbLockedError, KvdbError, ReplicationError
 from kvdb.wal.fs import OsFs, write_file_atomic
+
+log = logging.getLogger("kvdb.replication")
 
 SWAP_MARKER = "RESEED_SWAP"
 STAGING_DIR = "reseed.new"
@@ -150,8 +153,8 @@ class Staging:
     def abort(self) -> None:
         try:
             self.db.close()
-        except Exception:  # noqa: BLE001 -- the copy is being thrown away whatever went wrong
-            pass
+        except KvdbError as e:  # the copy is thrown away whatever went wrong with it
+            log.warning("closing an abandoned re-seed copy in %s: %s", self.dir, e)
         shutil.rmtree(self.dir, ignore_errors=True)
 
 

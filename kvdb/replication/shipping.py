@@ -54,7 +54,13 @@ import numpy as np
 import torch
 
 from kvdb.cold.export import Snapshot
-from kvdb.errors import AuthError, CorruptionError, InvalidInput, KvdbError, ReplicationError
+from kvdb.errors import (
+    AuthError,
+    CorruptionError,
+    InvalidInput,
+    KvdbError,
+    ReplicationError,
+)
 from kvdb.format.record import (
     RECORD_HEADER,
     RECORD_HEADER_BYTES,
@@ -273,8 +279,8 @@ class SegmentLogSource:
 
 
 class _Follower:
-    __slots__ = ("addr", "state", "confirmed_lsn", "sent_lsn", "error", "thread", "connects", "channel",
-                 "reseed", "reseed_asked", "reseeds")
+    __slots__ = ("addr", "channel", "confirmed_lsn", "connects", "error", "reseed", "reseed_asked", "reseeds",
+                 "sent_lsn", "state", "thread")
 
     def __init__(self, addr: str, confirmed: int) -> None:
         self.addr = addr
@@ -316,7 +322,7 @@ class LogShipper:
 
     # -- lifecycle
 
-    def start(self) -> "LogShipper":
+    def start(self) -> LogShipper:
         for f in self.followers:
             f.thread = threading.Thread(target=self._run, args=(f,), name=f"kvdb-ship-{f.addr}", daemon=True)
             f.thread.start()

@@ -74,7 +74,7 @@ class LogSink:
         self._batch: np.ndarray | None = None  # decode buffer reused across batches (guarded by _lock)
 
     @classmethod
-    def for_db(cls, db, reopen=None) -> "LogSink":
+    def for_db(cls, db, reopen=None) -> LogSink:
         durable = "disk" in db.stats().get("tiers", {})
         return cls(db, Path(db.path) / "replication", durable=durable, reopen=reopen if durable else None)
 

@@ -10,7 +10,6 @@ import tempfile
 import time
 
 import numpy as np
-import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -146,31 +145,31 @@ def test_any_split_resend_and_restart_converges(ops, cuts, resend, restart):
     keys = make_keys(6, tag=61)
     pages = make_blocks(6, seed=61)
     names = [bytes([n]) * 3 for n in range(3)]
-    with tempfile.TemporaryDirectory() as tmp:
-        with _open(os.path.join(tmp, "leader")) as db, _open(os.path.join(tmp, "f")) as fdb:
-            for op in ops:
-                if op[0] == "put":
-                    db.put_blocks([keys[i] for i in op[1]], pages[list(op[1])], durability="group")
-                elif op[0] == "delete":
-                    db.delete([keys[i] for i in op[1]])
-                else:
-                    db.cold_store.put_metadata(op[1], names[op[2]], op[3])
-            db.flush()
-            src = SegmentLogSource(db.cold_store.wal_dir, durable=lambda: db.cold_store.durable_lsn)
-            recs = src.read_records(0, 1 << 30, src.durable_lsn())
-            sink = LogSink(fdb, fdb.path / "replication", durable=True)
-            at, batches = 0, []
-            for n in [*cuts, len(recs)]:
-                if at < len(recs):
-                    batches.append(recs[at : at + n])
-                    at += n
-            for i, b in enumerate(batches):
-                if i == restart:
-                    sink = LogSink(fdb, fdb.path / "replication", durable=True)
-                assert sink.apply(b"".join(bytes(r) for _, r in b), b[0][0], b[-1][0]) == b[-1][0]
-                if i < len(resend) and resend[i]:  # the leader re-sends what was acknowledged
-                    sink.apply(b"".join(bytes(r) for _, r in b), b[0][0], b[-1][0])
-            assert _state(fdb, keys, names) == _state(db, keys, names)
+    with tempfile.TemporaryDirectory() as tmp, _open(os.path.join(tmp, "leader")) as db, \
+            _open(os.path.join(tmp, "f")) as fdb:
+        for op in ops:
+            if op[0] == "put":
+                db.put_blocks([keys[i] for i in op[1]], pages[list(op[1])], durability="group")
+            elif op[0] == "delete":
+                db.delete([keys[i] for i in op[1]])
+            else:
+                db.cold_store.put_metadata(op[1], names[op[2]], op[3])
+        db.flush()
+        src = SegmentLogSource(db.cold_store.wal_dir, durable=lambda: db.cold_store.durable_lsn)
+        recs = src.read_records(0, 1 << 30, src.durable_lsn())
+        sink = LogSink(fdb, fdb.path / "replication", durable=True)
+        at, batches = 0, []
+        for n in [*cuts, len(recs)]:
+            if at < len(recs):
+                batches.append(recs[at : at + n])
+                at += n
+        for i, b in enumerate(batches):
+            if i == restart:
+                sink = LogSink(fdb, fdb.path / "replication", durable=True)
+            assert sink.apply(b"".join(bytes(r) for _, r in b), b[0][0], b[-1][0]) == b[-1][0]
+            if i < len(resend) and resend[i]:  # the leader re-sends what was acknowledged
+                sink.apply(b"".join(bytes(r) for _, r in b), b[0][0], b[-1][0])
+        assert _state(fdb, keys, names) == _state(db, keys, names)
 
 
 # ---------------------------------------------------------------- encryption at rest

@@ -18,7 +18,13 @@ import kvdb
 from kvdb.errors import ReplicationError
 from kvdb.replication import NodeServer, Peer
 from kvdb.replication.replicator import Replicator
-from kvdb.replication.reseed import ASIDE_DIR, STAGING_DIR, SWAP_MARKER, Staging, finish_swap
+from kvdb.replication.reseed import (
+    ASIDE_DIR,
+    STAGING_DIR,
+    SWAP_MARKER,
+    Staging,
+    finish_swap,
+)
 from kvdb.replication.sink import LogSink
 
 from .conftest import LAYOUT, SECRET, make_blocks, make_keys
