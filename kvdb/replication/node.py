@@ -38,7 +38,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvdb.errors import AuthError, CapacityError, InvalidInput, KvdbError, NotFound, ReplicationError
+from kvdb.errors import (
+    AuthError,
+    CapacityError,
+    InvalidInput,
+    KvdbError,
+    NotFound,
+    ReplicationError,
+)
 from kvdb.replication.channel import Channel, accept, parse_addr
 from kvdb.replication.peer import DURABILITY, block_digests, decode_keys
 from kvdb.replication.protocol import ErrorCode, Message, MsgType
@@ -99,7 +106,7 @@ class NodeServer:
 
     # ------------------------------------------------------------------ lifecycle
 
-    def start(self) -> "NodeServer":
+    def start(self) -> NodeServer:
         self._thread = threading.Thread(target=self._accept_loop, name=f"kvdb-node-{self.address}", daemon=True)
         self._thread.start()
         return self
@@ -173,7 +180,7 @@ class NodeServer:
             ch.close()
         return len(chans)
 
-    def __enter__(self) -> "NodeServer":
+    def __enter__(self) -> NodeServer:
         return self.start()
 
     def __exit__(self, *exc) -> None:
@@ -260,7 +267,7 @@ class NodeServer:
                 timer.daemon = True
                 timer.start()
 
-    def _dispatch(self, ch: Channel, msg: Message, state: "_ConnState") -> None:
+    def _dispatch(self, ch: Channel, msg: Message, state: _ConnState) -> None:
         t = msg.type
         if t == MsgType.PUT_BLOCKS:
             self._put_blocks(ch, msg, state)
@@ -315,7 +322,7 @@ class NodeServer:
             except KvdbError:  # the Db closed meanwhile (its arena went with it) or already released
                 pass
 
-    def _reserve_frames(self, ch: Channel, msg: Message, state: "_ConnState") -> None:
+    def _reserve_frames(self, ch: Channel, msg: Message, state: _ConnState) -> None:
         """RESERVE_FRAMES {chunks}: reserve host-arena frames for each chunk of a push and name
         them (N4), or answer ``frames: null`` (the sender then uses the landing region)."""
         chunks = msg.meta.get("chunks")
@@ -352,7 +359,7 @@ class NodeServer:
         ch.send(MsgType.FRAMES, {"transport": self.transport.descriptor(), "base": res.arena.data_ptr(),
                                  "page_bytes": page, "frames": [state.frames[i].frames for i in range(len(chunks))]})
 
-    def _put_blocks(self, ch: Channel, msg: Message, state: "_ConnState") -> None:
+    def _put_blocks(self, ch: Channel, msg: Message, state: _ConnState) -> None:
         lay = self.db.layout
         m = msg.meta
         n = m.get("blocks")
@@ -396,7 +403,7 @@ class NodeServer:
         self._count("bytes_received", n * page)
         ch.send(MsgType.PUT_ACK, {"chunk": m.get("chunk"), "blocks": n})
 
-    def _commit_frames(self, ch: Channel, m: dict, keys: list, state: "_ConnState", durability: str) -> None:
+    def _commit_frames(self, ch: Channel, m: dict, keys: list, state: _ConnState, durability: str) -> None:
         """A chunk that landed in reserved arena frames: digests, then commit in place (N2, N4)."""
         n = len(keys)
         res = state.frames.pop(m.get("chunk"), None) if isinstance(m.get("chunk"), int) else None

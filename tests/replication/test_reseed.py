@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 import torch
 
 import kvdb
@@ -27,7 +28,7 @@ from kvdb.replication.reseed import (
 )
 from kvdb.replication.sink import LogSink
 
-from .conftest import LAYOUT, SECRET, make_blocks, make_keys
+from .conftest import LAYOUT, SECRET, TRANSPORTS, make_blocks, make_keys
 
 PAGE = LAYOUT.page_bytes
 RECORD_BYTES = 53 + PAGE  # one raw PUT_BLOCK record
@@ -61,7 +62,8 @@ def _wait(cond, what: str, timeout_s: float = 30.0):
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def test_a_follower_of_another_log_is_reseeded_when_asked(netns, tmp_path):
+@pytest.mark.parametrize("kind", TRANSPORTS)
+def test_a_follower_of_another_log_is_reseeded_when_asked(netns, tmp_path, kind):
     # Scenario: follower f applied leader A's log (blocks ka). Leader B (another data directory:
     # blocks kb, a deleted block, a lease) finds f on another log: needs_reseed, nothing sent.
     # db.reseed_replica(f) streams B's copy in batches of 3 records; the first attempt fails
@@ -71,11 +73,11 @@ def test_a_follower_of_another_log_is_reseeded_when_asked(netns, tmp_path):
     ka, kb = make_keys(4, tag=70), make_keys(12, tag=71)
     ba, bb = make_blocks(4, seed=70), make_blocks(12, seed=71)
     fdb = _open(tmp_path / "f")
-    srv = NodeServer(fdb, "127.0.0.1:0", SECRET, transport="tcp", sink=LogSink.for_db(fdb, reopen=_reopen)).start()
+    srv = NodeServer(fdb, "127.0.0.1:0", SECRET, transport=kind, sink=LogSink.for_db(fdb, reopen=_reopen)).start()
     sink = srv.sink
     try:
         with _open(tmp_path / "a") as a:
-            rep = Replicator(a, replicas=[srv.address], secret=SECRET, transport="tcp")
+            rep = Replicator(a, replicas=[srv.address], secret=SECRET, transport=kind)
             a.put_blocks(ka, ba, durability="group")
             lsn_a = rep.sync_replicas(30)
             rep.close()
@@ -83,7 +85,7 @@ def test_a_follower_of_another_log_is_reseeded_when_asked(netns, tmp_path):
             b.put_blocks(kb, bb, durability="group")
             b.delete(kb[-2:])
             b.cold_store.put_metadata("lease", b"l", b"holder")
-            rep = Replicator(b, replicas=[srv.address], secret=SECRET, transport="tcp")
+            rep = Replicator(b, replicas=[srv.address], secret=SECRET, transport=kind)
             try:
                 _wait(lambda: rep.status()["followers"][0]["state"] == "needs_reseed", "needs_reseed")
                 rep.shipper.batch_bytes = 3 * RECORD_BYTES
