@@ -493,6 +493,7 @@ class LogShipper:
         total = len(snap.keys) + len(snap.metadata)
         progress = {"snapshot_lsn": snap.lsn, "records_total": total, "records_sent": 0, "records_confirmed": 0}
         self._set(f, state="reseeding", reseed=progress, error=None)
+        self._save_slots(force=True)  # RS3: its old slot (<= snap.lsn) holds the log after snap.lsn
         log.info("re-seeding follower %s from a copy as of lsn %d (%d records)", f.addr, snap.lsn, total)
         ch.send(MsgType.RESEED_BEGIN, {"snapshot_lsn": snap.lsn, "log_id": self.log_id, "records": total})
         half = int(region["bytes"]) // 2 if region else self.batch_bytes

@@ -89,12 +89,15 @@ def test_a_follower_of_another_log_is_reseeded_when_asked(netns, tmp_path, kind)
             try:
                 _wait(lambda: rep.status()["followers"][0]["state"] == "needs_reseed", "needs_reseed")
                 rep.shipper.batch_bytes = 3 * RECORD_BYTES
-                failed = []
+                failed, seen = [], {}
 
                 def fault(received: int) -> None:
                     if received >= 6 and not failed:
                         failed.append(received)
                         assert set(_blocks_of(srv.db, ka + kb)) == set(ka)  # the old state, untouched
+                        with Peer(srv.address, secret=SECRET, transport="tcp") as p:  # what `status` shows
+                            seen["follower"] = p.status()["follower"]["reseed"]
+                        seen["leader"] = rep.status()["followers"][0]
                         raise ReplicationError("injected: the stream broke mid re-seed")
 
                 sink.debug_reseed_hook = fault
@@ -102,6 +105,9 @@ def test_a_follower_of_another_log_is_reseeded_when_asked(netns, tmp_path, kind)
                 _wait(lambda: rep.status()["followers"][0]["reseeds"] == 1, "the re-seed")
                 lsn = rep.sync_replicas(30)
                 assert failed == [6]
+                assert {k: seen["follower"][k] for k in ("state", "records_received", "records_total")} == \
+                    {"state": "receiving", "records_received": 6, "records_total": 11}
+                assert seen["leader"]["state"] == "reseeding" and seen["leader"]["reseed"]["records_sent"] >= 6
                 assert sink.applied_lsn() == lsn and sink.log_id == rep.shipper.log_id
                 st = sink.status()
                 assert st["reseed"] is None and st["reseeds"] == 1
