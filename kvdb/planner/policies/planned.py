@@ -71,8 +71,14 @@ LLM_CALL_S = 2.0  # default time from a node's CallFinished to its end (W5): the
 TOOL_DEFAULT_S = 10.0  # a tool's duration before any has been observed
 TOOL_ALPHA = 0.1  # EWMA weight of one observed tool wait
 REPLAN_TOLERANCE_S = 0.5
-CALLS_CAP = 8  # an agent's calls so far, as a context of its estimates, saturate here
+PROGRESS_CAP = 8  # a session's waits (or an agent's calls), as a context of its estimates, saturate here
 PREFER_ALPHA = 0.1  # EWMA weight of one comparison of an agent's free and fan-in estimates
+
+
+def _contexts(kind: str, name: str | None, features: tuple[int, int]) -> tuple:
+    """GapEstimator contexts of an estimate, most specific first (kvdb.planner.policies.gaps)."""
+    gap, progress = features
+    return ((kind, name, gap, progress), (kind, name, progress), (kind, name), (kind,))
 
 
 class PlannedReplacer(Replacer):
@@ -122,6 +128,7 @@ class PlannedReplacer(Replacer):
         self._pending: dict[tuple, list[tuple]] = {}  # agent -> [(contexts, base s)] of its open estimates
         self._last_call: dict[tuple, float] = {}  # agent -> time of its last call
         self._prefer: dict[tuple, float] = {}  # (agent, gap bin) -> > 0: fan-in estimates came closer
+        self._calls: dict[tuple, int] = {}  # agent -> its calls so far
         self._feat: dict[tuple, tuple[int, int]] = {}  # agent -> (octave of the gap before its last call, calls before it)
         if not llm_call_s >= 0:
             raise InvalidInput(f"llm_call_s must be a number >= 0, got {llm_call_s!r}")
@@ -366,13 +373,16 @@ class PlannedReplacer(Replacer):
                 t_free = b if t_free is None else t_free
                 t_fan = b2 if t_fan is None else t_fan
                 won = 1.0 if abs(now - t_fan) <= abs(now - t_free) else -1.0
-                k = c[1][1:]
+                k = c[0][1:3]
                 old = self._prefer.get(k, 0.0)
                 self._prefer[k] = old + PREFER_ALPHA * (won - old)
             prev = self._last_call.get(agent)
             self._last_call[agent] = now
-            calls = self._feat[agent][1] + 1 if agent in self._feat else 0
-            self._feat[agent] = (gap_bin(None if prev is None else now - prev), min(calls, CALLS_CAP))
+            # progress: the session's tool waits so far; without any, the agent's calls (negated)
+            waits = self._epoch.get(sid, 0)
+            calls = self._calls[agent] = self._calls.get(agent, 0) + 1
+            self._feat[agent] = (gap_bin(None if prev is None else now - prev),
+                                 min(waits, PROGRESS_CAP) if waits else -min(calls, PROGRESS_CAP))
         waiting = self._fan_in.setdefault(sid, {})
         d = hints.get("expected_tool_duration_s")
         until = self._sess_wait.get(sid, 0.0)
@@ -393,7 +403,7 @@ class PlannedReplacer(Replacer):
                     if ep != epoch:
                         del waiting[k]
                         continue
-                    ctxs = (("fan-in", k[1], *ft), ("fan-in", k[1], ft[0]), ("fan-in", k[1]), ("fan-in",))
+                    ctxs = _contexts("fan-in", k[1], ft)
                     # one that called with nobody waiting keeps that estimate too (the last
                     # worker back calls again with the next round's workers): the earlier wins
                     # one that called with nobody waiting keeps that estimate too (the last
@@ -401,7 +411,7 @@ class PlannedReplacer(Replacer):
                     # closer for its (agent, gap bin) so far is used
                     pend = [e for e in self._pending.get(k, ()) if e[0][-1][0] == "free"]
                     self._pending[k] = [*pend, (ctxs, base, self._raw(ctxs, base))]
-                    if pend and self._prefer.get(pend[0][0][1][1:], 0.0) < 0:
+                    if pend and self._prefer.get(pend[0][0][0][1:3], 0.0) < 0:
                         continue  # its own estimate stands
                     self._plan_agent(k, self._estimate(ctxs, base, now, True), now)
             return
@@ -417,7 +427,7 @@ class PlannedReplacer(Replacer):
         else:
             kind, base = "free", now
             waiting[agent] = (ft, epoch + 1)
-        ctxs = ((kind, name, *ft), (kind, name, ft[0]), (kind, name), (kind,))
+        ctxs = _contexts(kind, name, ft)
         self._pending[agent] = [(ctxs, base, self._raw(ctxs, base))]
         self._plan_agent(agent, self._estimate(ctxs, base, now, kind == "fan-in"), now)
 
@@ -506,6 +516,7 @@ class PlannedReplacer(Replacer):
                     self._gaps.missed(ctxs)
                 self._last_call.pop(key, None)
                 self._feat.pop(key, None)
+                self._calls.pop(key, None)
             for f in sorted(self._session_frames.pop(event.session_id, ())):
                 self._sess[f] = None
                 if self._state[f] == ABSENT or self._shared[f]:
