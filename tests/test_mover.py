@@ -55,6 +55,9 @@ def test_timers_run_when_due_in_due_order_and_cancel():
         done = m.schedule(0.0, seen.append, "late")
         m.run_due()
         assert seen[-1] == "late" and not done.cancel()  # it ran: too late to cancel
+        m.schedule(0.0, lambda: 1 / 0)
+        m.run_due()
+        assert m.failed_timers == 1 and isinstance(m.last_error, ZeroDivisionError)
     finally:
         m.shutdown()
 

@@ -57,6 +57,8 @@ class Mover:
         self._timers: list[tuple[float, int, Timer]] = []
         self._seq = itertools.count()
         self._closed = False
+        self.failed_timers = 0  # timer jobs that raised (they have no waiter to tell)
+        self.last_error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -127,6 +129,9 @@ class Mover:
             except BaseException as e:  # noqa: BLE001 - handed to the waiter; timers have none
                 if fut is not None:
                     fut.set_exception(e)
+                else:
+                    self.failed_timers += 1
+                    self.last_error = e
             else:
                 if fut is not None:
                     fut.set_result(r)

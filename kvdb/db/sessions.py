@@ -625,6 +625,7 @@ class SessionsMixin:
         out["planned_prefetch_s"] = round(out["planned_prefetch_s"], 6)
         out["waiting_agents"] = sum(1 for p in self._agents.values() if p.return_s is not None)
         out["timers"] = self._mover.num_timers
+        out["failed_moves"] = self._mover.failed_timers  # a planned move that raised (see mover.last_error)
         out["prefixes"] = len(self._prefixes)
         out["prefix_pinned_pages"] = sum(self._prefix_pinned)
         return out
