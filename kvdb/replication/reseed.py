@@ -24,7 +24,7 @@ Invariants:
   RS1 The follower holds either its old state or the whole copy, whenever it crashes: the copy
       is built in ``PATH/replication/reseed.new`` (a Db directory with the follower's own
       MANIFEST.json and KEY_SECRET), made durable and closed, with its position file
-      (``<L> <log id>``) inside; only then is the marker ``PATH/replication/RESEED_SWAP``
+      (lsn L, the leader's log id: kvdb/format/position.py) inside; only then is the marker ``PATH/replication/RESEED_SWAP``
       written. With the marker present the swap (wal/, index/ and the position file moved in,
       the old ones moved aside) is rolled forward by ``finish_swap``, which ``kvdb replicate
       serve`` runs before it opens the Db; without it a staging directory is an interrupted
@@ -47,6 +47,7 @@ import time
 from pathlib import Path
 
 from kvdb.errors import DbLockedError, KvdbError, ReplicationError
+from kvdb.format import position
 from kvdb.wal.fs import OsFs, write_file_atomic
 
 log = logging.getLogger("kvdb.replication")
@@ -146,7 +147,7 @@ class Staging:
         self.db.flush()
         (self.dir / "replication").mkdir(exist_ok=True)
         write_file_atomic(self.dir / "replication" / APPLIED_NAME,
-                          f"{self.snapshot_lsn} {self.log_id or '-'}".encode())
+                          position.encode_file(position.Position(1, self.snapshot_lsn, self.log_id)))
         self.db.close()
         write_file_atomic(self.path / "replication" / SWAP_MARKER, b"reseed.new complete\n")
 

@@ -26,6 +26,7 @@ sink refuses re-seeds and the leader marks it ``needs_reseed``.
 
 from __future__ import annotations
 
+import os
 import threading
 from pathlib import Path
 
@@ -35,6 +36,7 @@ import torch
 from kvdb.cold.codec import decode_page
 from kvdb.cold.export import key_matches, open_payload
 from kvdb.errors import CorruptionError, InvalidInput, KvdbError, ReplicationError
+from kvdb.format import position
 from kvdb.format.record import (
     META_TYPES,
     RecordType,
@@ -64,6 +66,7 @@ class LogSink:
         self.swap_db = None  # (fn) -> new Db: set by the NodeServer that runs this sink
         self._lock = threading.Lock()  # one stream applies at a time; guards the counters
         self.log_id: str | None = None  # the leader log this follower's lsns belong to
+        self._pos_seq, self._pos_whole = 0, True  # the position file's last slot write; rewrite it whole
         self._applied = self._load_applied() if durable else 0
         self.counters = {"records": 0, "puts": 0, "deletes": 0, "metadata": 0, "duplicates": 0, "skipped": 0,
                          "batches": 0, "reseeds": 0}
@@ -79,16 +82,35 @@ class LogSink:
         return cls(db, Path(db.path) / "replication", durable=durable, reopen=reopen if durable else None)
 
     def _load_applied(self) -> int:
-        """Read ``applied_lsn``: ``<lsn> <leader log id>`` (the id names the log the lsns count)."""
+        """Read ``applied_lsn`` (kvdb/format/position.py): the lsn and the leader log it counts."""
+        path = self.state_dir / APPLIED_NAME
         try:
-            parts = (self.state_dir / APPLIED_NAME).read_text().split()
+            raw = path.read_bytes()
         except FileNotFoundError:
+            self._pos_seq, self._pos_whole = 0, True
             return 0
-        try:
-            self.log_id = parts[1] if len(parts) > 1 and parts[1] != "-" else None
-            return int(parts[0]) if parts else 0
-        except ValueError:
-            raise CorruptionError(f"{self.state_dir / APPLIED_NAME} is damaged; delete it to re-apply the log") from None
+        pos = position.decode(raw, str(path))
+        self._pos_seq, self._pos_whole = pos.seq, pos.seq == 0  # seq 0: the older text layout
+        self.log_id = pos.log_id
+        return pos.lsn
+
+    def _persist(self, lsn: int) -> None:
+        """S1: the applied position is durable before the batch is acknowledged (one slot
+        pwrite + fdatasync; the whole file only the first time)."""
+        path = self.state_dir / APPLIED_NAME
+        pos = position.Position(self._pos_seq + 1, lsn, self.log_id)
+        if self._pos_whole:
+            self.state_dir.mkdir(parents=True, exist_ok=True)
+            write_file_atomic(path, position.encode_file(pos))
+            self._pos_whole = False
+        else:
+            fd = os.open(path, os.O_WRONLY)
+            try:
+                os.pwrite(fd, position.encode_slot(pos), (pos.seq % 2) * position.SLOT_BYTES)
+                os.fdatasync(fd)
+            finally:
+                os.close(fd)
+        self._pos_seq = pos.seq
 
     def applied_lsn(self) -> int:
         return self._applied
@@ -120,8 +142,7 @@ class LogSink:
             if self.durable and todo:
                 if must_flush:
                     self.db.flush()
-                self.state_dir.mkdir(parents=True, exist_ok=True)
-                write_file_atomic(self.state_dir / APPLIED_NAME, f"{last_lsn} {self.log_id or '-'}".encode())
+                self._persist(last_lsn)
             self._applied = max(self._applied, last_lsn)
             return self._applied
 
@@ -351,7 +372,7 @@ class LogSink:
 
         self.db = self.swap_db(swap, ch)
         with self._lock:
-            self._applied, self.log_id = st.snapshot_lsn, st.log_id
+            self._applied = self._load_applied()  # the copy's position file, swapped in
             self.counters["reseeds"] += 1
             self.last_reseed = {**st.progress, "state": "done"}
             self.staging = None

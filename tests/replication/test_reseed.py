@@ -17,6 +17,7 @@ import torch
 
 import kvdb
 from kvdb.errors import ReplicationError
+from kvdb.format import position
 from kvdb.replication import NodeServer, Peer
 from kvdb.replication.replicator import Replicator
 from kvdb.replication.reseed import (
@@ -159,7 +160,8 @@ def test_finish_swap_rolls_forward_from_every_crash_point(tmp_path):
         assert not (rep / SWAP_MARKER).exists() and not (rep / STAGING_DIR).exists()
         with _open(path) as db:
             assert set(_blocks_of(db, ka + kb)) == set(kb), crash_at
-        assert (rep / "applied_lsn").read_text() == "42 cafe"
+        got = position.decode((rep / "applied_lsn").read_bytes())
+        assert (got.lsn, got.log_id) == (42, "cafe")
     # no marker: an interrupted copy is dropped, the old state stays
     path = tmp_path / "nomarker"
     with _open(path) as db:
