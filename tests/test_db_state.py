@@ -10,12 +10,19 @@ DbMachine -- memory-only Db (disk tier off): evicted blocks are gone, so the mod
 DiskDbMachine -- the same with the disk tier on (unbounded): nothing is ever lost, so the model
 is exact: match_prefix equals the model's prefix, every stored key reads back exactly, also
 after close and reopen (write-back of durability="none" pages at close).
+
+Both also land blocks in place (kvdb/db/landing.py, pool invariant P6): reserve_frames lends
+host frames (all or nothing: a CapacityError evicts nothing), bytes are written into them;
+until commit_frames they are invisible to every read, commit_frames makes them the pages of
+their keys (keys already stored are skipped) and release_frames frees them; reserved frames are
+never keyed, never free, and a reservation never evicts a pinned page.
 """
 
 from __future__ import annotations
 
 import tempfile
 
+import pytest
 import torch
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, invariant, precondition, rule
@@ -44,6 +51,7 @@ class DbMachine(RuleBasedStateMachine):
         self.keys = self.db.block_keys(list(range(NUM_KEYS * LAYOUT.block_tokens)))
         self.model: dict[bytes, torch.Tensor] = {}  # key -> bytes last put (may have been evicted since)
         self.pins: list[tuple[list[int], kvdb.PinnedPages, torch.Tensor]] = []
+        self.landing: list[tuple[object, torch.Tensor]] = []  # (ReservedFrames, blocks written into them)
         self.counter = 0
 
     def _block(self) -> torch.Tensor:
@@ -130,8 +138,53 @@ class DbMachine(RuleBasedStateMachine):
         assert self.keys[i] not in self.db.pool.table
         assert self.db.match_prefix([self.keys[i]]) == 0
 
+    @rule(n=st.integers(0, 3))
+    @precondition(lambda self: self.db is not None and len(self.landing) < 2)
+    def reserve(self, n):
+        host = self.db.pool.tiers[1]
+        table_before = dict(self.db.pool.table)
+        try:
+            res = self.db.reserve_frames(n)
+        except kvdb.errors.CapacityError:
+            # all or nothing: fewer than n frames were free or evictable, and nothing moved
+            assert len(host.free) + host.replacer.num_evictable() < n
+            assert dict(self.db.pool.table) == table_before
+            return
+        assert len(res) == n and set(res.frames) <= host.reserved
+        blocks = torch.cat([self._block() for _ in range(n)]) if n else torch.zeros((0, *LAYOUT.block_shape))
+        for j, row in enumerate(res.rows):  # the bytes land in place, as a transfer engine writes them
+            row.copy_(blocks[j].contiguous().view(torch.uint8).reshape(-1))
+        self.landing.append((res, blocks))
+
+    @rule(data=st.data())
+    @precondition(lambda self: self.db is not None and self.landing)
+    def commit_landed(self, data):
+        res, blocks = self.landing.pop(data.draw(st.integers(0, len(self.landing) - 1)))
+        idx = data.draw(st.lists(st.integers(0, NUM_KEYS - 1), min_size=len(res), max_size=len(res), unique=True))
+        new = [i for i in idx if not self._present(i)]
+        # a reserved frame is no page yet: its bytes are invisible until committed
+        for i in new:
+            assert self.db.match_prefix([self.keys[i]]) == 0
+        n = self.db.commit_frames([self.keys[i] for i in idx], res, positions=list(idx))
+        assert n == len(new)
+        for j, i in enumerate(idx):
+            if i in new:  # present keys are skipped: their old bytes stay
+                self.model[self.keys[i]] = blocks[j].clone()
+        assert not set(res.frames) & self.db.pool.tiers[1].reserved  # the reservation is used up
+
+    @rule(data=st.data())
+    @precondition(lambda self: self.db is not None and self.landing)
+    def release_landed(self, data):
+        res, _ = self.landing.pop(data.draw(st.integers(0, len(self.landing) - 1)))
+        host = self.db.pool.tiers[1]
+        self.db.release_frames(res)
+        assert set(res.frames) <= set(host.free)
+        if len(res):
+            with pytest.raises(kvdb.errors.InvalidInput):  # released frames cannot be committed
+                self.db.commit_frames(self.keys[: len(res)], res)
+
     @rule()
-    @precondition(lambda self: self.db is not None and self.DISK and not self.pins)
+    @precondition(lambda self: self.db is not None and self.DISK and not self.pins and not self.landing)
     def reopen(self):
         self.db.close()
         host_pages, device_pages, replacer = self.open_args
@@ -162,6 +215,11 @@ class DbMachine(RuleBasedStateMachine):
             keyed = [f for f, k in enumerate(t.keys) if k is not None]
             assert len(keyed) == t.num_resident <= t.num_frames  # P4
             assert set(keyed).isdisjoint(t.free) and len(set(t.free)) == len(t.free)  # P2
+            # P6: reserved frames are neither keyed nor free, and every frame is one of the three
+            assert t.reserved.isdisjoint(keyed) and t.reserved.isdisjoint(t.free)
+            assert len(keyed) + len(t.free) + len(t.reserved) == t.num_frames
+            lent = {f for res, _ in self.landing for f in res.frames} if t.index == 1 else set()
+            assert t.reserved == lent
             for f in keyed:
                 assert pool.table[t.keys[f]] == (f << 1 | t.index)  # P1
             assert t.replacer.num_evictable() == sum(1 for f in keyed if t.pins[f] == 0)
@@ -172,6 +230,8 @@ class DbMachine(RuleBasedStateMachine):
         if self.db is not None:
             for _, p, _ in self.pins:
                 p.release()
+            for res, _ in self.landing:
+                self.db.release_frames(res)
             self.db.close()
         self.tmp.cleanup()
 
