@@ -17,6 +17,31 @@ into silence.
 
 Work is done in chunks of ``CHUNK_BYTES`` under the writer lock, so foreground writers wait at
 most one chunk.
+
+Tombstones outlive their segments (store invariant C6, ``carry_forward``)
+    Deleting a segment must not change what a replay of the whole surviving log yields (the
+    index rebuild: remove PATH/index/, reopen). Dropping a dead PUT never does: a newer record
+    of its key exists. Dropping a DELETE does when a surviving *older* segment still holds a PUT
+    of that key -- the block would come back -- and dropping metadata loses it. So before
+    wholly dead segments are deleted (by a checkpoint or by compaction) their records are
+    judged, under the writer lock:
+
+    * a DELETE of a key that is absent now, and of which a surviving older segment holds a PUT,
+      is appended again at the head of the log (a tombstone carried forward);
+    * a SESSION / TTL / LEASE name whose value is set now is appended again with that value
+      (unless a newer record of it waits in the index queue); a removed name is carried like a
+      DELETE when a surviving older segment sets it;
+    * a segment that cannot be walked to its end (damage) is not deleted: its records cannot be
+      judged.
+
+    A carried tombstone dies the same way when its own segment is collected and no older
+    segment holding a PUT of its key survives any more (compaction deletes those).
+
+    Cost: each dead segment is walked once from record header to record header (PUT payloads
+    are not read); older surviving segments are walked only when there is something to judge,
+    once per process (sealed segments never change: their key sets are cached, 16 bytes of key
+    plus set overhead per PUT record), and a segment with no dead bytes at all is never walked
+    (it holds only live PUTs). Carried records are 16 bytes per key plus a record header.
 """
 
 from __future__ import annotations
@@ -26,11 +51,22 @@ import struct
 import time
 
 from kvdb.format import index_value as iv
-from kvdb.format.record import SEGMENT_HEADER_BYTES, RecordType, check_record, decode_put, segment_name
+from kvdb.format.record import (
+    SEGMENT_HEADER_BYTES,
+    RecordType,
+    check_record,
+    decode_put,
+    encode_delete,
+    encode_meta,
+    segment_name,
+)
 from kvdb.types import KEY_BYTES
+from kvdb.wal.reader import SegmentSummary, summarize_segment
 from kvdb.wal.recovery import list_segments
 
 CHUNK_BYTES = 64 << 20
+#: keys per carried DELETE record
+CARRY_KEYS = 4096
 
 
 def expire(store, now_ns: int | None = None) -> int:
@@ -63,7 +99,7 @@ def compact(store, progress=None, *, min_dead_fraction: float = 0.0, now_ns: int
 
 
 def _compact(store, progress, min_dead_fraction: float) -> dict:
-    out = dict(records_copied=0, bytes_copied=0, damaged_records=0)
+    out = {"records_copied": 0, "bytes_copied": 0, "damaged_records": 0}
     w = store._writer
     with store._ckpt_lock:
         first = list_segments(store._fs, store.wal_dir)
@@ -155,3 +191,90 @@ def _move_chunk(store, segment_no: int, keys: list[bytes], out: dict) -> int:
     out["records_copied"] += len(locs)
     out["bytes_copied"] += moved
     return moved
+
+
+def _summary(store, segment_no: int, cache: bool) -> SegmentSummary:
+    sm = store._summaries.get(segment_no)
+    if sm is None:
+        sm = summarize_segment(os.path.join(store.wal_dir, segment_name(segment_no)), segment_no)
+        if cache:
+            store._summaries[segment_no] = sm
+    return sm
+
+
+def carry_forward(store, dead: list[int], segments: list[int]) -> list[int]:
+    """Before the wholly dead ``dead`` segments are deleted, append what a replay of the
+    surviving log still needs from them (module doc, C6). Returns the segments that may go.
+    Caller holds ``_ckpt_lock``; an I/O error fails the store (the caller's ``sticky_io``)."""
+    summaries = {s: _summary(store, s, cache=False) for s in dead}
+    ok = [s for s in dead if summaries[s].complete]
+    gone = set(ok)
+    tombs: dict[bytes, int] = {}  # block key -> newest dropped segment deleting it
+    metas: dict[tuple[int, bytes], int] = {}  # (type, name) -> newest dropped segment naming it
+    for s in ok:
+        for k in summaries[s].deletes:
+            tombs[k] = s
+        for rtype, name, _value in summaries[s].metas:
+            metas[(rtype, name)] = s
+    if not tombs and not metas:
+        return ok
+    newest = max(max(tombs.values(), default=0), max(metas.values(), default=0))
+    w = store._writer
+    with w.lock:
+        tombs = {k: s for k, s in tombs.items() if k not in store._live}
+    # surviving sealed segments older than what is judged, that may hold a dead record: the
+    # first one (in segment order) setting each name or putting each key decides
+    older = []
+    for s in segments:
+        if s in gone or s >= newest:
+            continue
+        size = store._fs.file_bytes(os.path.join(store.wal_dir, segment_name(s)))
+        if size - SEGMENT_HEADER_BYTES - store._seg_live.get(s, 0) > 0:
+            older.append(s)
+    first_put: dict[bytes, int] = {}
+    first_set: dict[tuple[int, bytes], int] = {}
+    anything_before = None  # the oldest survivor that may hold anything (could not be walked)
+    for s in older:
+        sm = _summary(store, s, cache=True)
+        if not sm.complete:
+            anything_before = s if anything_before is None else anything_before
+            continue
+        for k in sm.put_keys & tombs.keys():
+            first_put.setdefault(k, s)
+        for rtype, name, value in sm.metas:
+            if value and (rtype, name) in metas:
+                first_set.setdefault((rtype, name), s)
+
+    def needed(first: int | None, s: int) -> bool:
+        return (first is not None and first < s) or (anything_before is not None and anything_before < s)
+
+    # under _apply_lock the index and the queue hold every record's effect, none is in flight
+    with store._apply_lock, w.lock:
+        w.check()  # not store._check(): an open's first checkpoint comes here too
+        queued = {ikey for _lsn, ikey, _v, _k in store._queue}
+        keys = [k for k, s in tombs.items() if k not in store._live and needed(first_put.get(k), s)]
+        records, meta_ops = [], []
+        for i in range(0, len(keys), CARRY_KEYS):
+            records.append((RecordType.DELETE, [encode_delete(keys[i : i + CARRY_KEYS])]))
+        for (rtype, name), s in metas.items():
+            ikey = iv.record_meta_key(rtype, name)
+            if ikey in queued:
+                continue  # a newer record of it is in the log and survives
+            value = store._index.get(ikey)
+            if value is not None or needed(first_set.get((rtype, name)), s):
+                records.append((rtype, [encode_meta(name, value or b"")]))
+                meta_ops.append((ikey, value))
+        if not records:
+            return ok
+        locs = w.append(records)
+        ndel = len(records) - len(meta_ops)
+        for j in range(ndel):
+            store._note_delete(locs[j].lsn, keys[j * CARRY_KEYS : (j + 1) * CARRY_KEYS])
+        for loc, (ikey, value) in zip(locs[ndel:], meta_ops):
+            store._queue.append((loc.lsn, ikey, value, None))
+        store._ckpt_log_bytes += sum(loc.record_bytes for loc in locs)
+        last = w.next_lsn - 1
+    w.sync_to(last)
+    store._apply(last)
+    store._count(tombstones_carried=len(keys), metadata_carried=len(meta_ops))
+    return ok

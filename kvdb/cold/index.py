@@ -9,7 +9,8 @@ other options rewrites its config and can make it unopenable). No column familie
 keep the DB lock after close). Values are small (48-byte entries): no blob files.
 
 Errors map to kvdb's: a held lock -> DbLockedError, "Corruption" -> CorruptionError, any other
-failure -> StorageIOError.
+failure -> StorageIOError. A damaged index is never rebuilt silently; a missing (or empty)
+index/ is: the open replays the whole log into a new one (store invariant C6).
 """
 
 from __future__ import annotations
@@ -42,7 +43,9 @@ def map_error(e: Exception, what: str) -> Exception:
     if "lock" in low and ("resource temporarily unavailable" in low or "lock hold" in low or "no locks available" in low):
         return DbLockedError(f"{what}: the index is open in another process or store ({msg})")
     if "corruption" in low or "checksum" in low or "bad magic" in low or "truncated" in low or "no such file" in low or "does not exist" in low:
-        return CorruptionError(f"{what}: the RocksDB index is damaged ({msg}); run `kvdb verify`")
+        return CorruptionError(f"{what}: the RocksDB index is damaged ({msg}); run `kvdb verify`, then remove "
+                               "the store's index/ directory to rebuild it from the log "
+                               "(docs/durability.md, 'Losing the index')")
     return StorageIOError(f"{what}: {msg}")
 
 

@@ -13,6 +13,11 @@ kvdb/format/record.py):
 
 Block reads by index location do not go through here (kvdb.cold.store reads one record with
 preadv straight into the caller's page and checks its crc).
+
+``summarize_segment`` is the cheap walk segment GC needs (kvdb/cold/compact.py
+``carry_forward``): it hops from record header to record header, reading PUT payloads not at
+all, and returns which block keys the segment holds PUTs of plus its (checked) DELETE and
+metadata records.
 """
 
 from __future__ import annotations
@@ -23,15 +28,22 @@ import struct
 import threading
 from dataclasses import dataclass, field
 
+from kvdb.errors import CorruptionError
 from kvdb.format.record import (
+    MAX_BODY_BYTES,
+    META_TYPES,
+    RECORD_HEADER,
     RECORD_HEADER_BYTES,
     SEGMENT_HEADER_BYTES,
     Record,
+    RecordType,
     SegmentHeader,
     check_record,
+    decode_delete,
+    decode_meta,
     decode_segment_header,
 )
-from kvdb.errors import CorruptionError
+from kvdb.types import KEY_BYTES
 
 #: how many following lsns a resync tries before calling a failure a torn tail
 RESYNC_LSNS = 8
@@ -247,3 +259,82 @@ def scan_segment(path: str, segment_no: int, start: int | None = None, expect_ls
                 buf.close()
             except BufferError:
                 pass
+
+
+#: the walk of ``summarize_segment`` reads the file through a window of this many bytes: small
+#: records cost one read per window, large PUTs one small read of their header each
+_SUMMARY_WINDOW_BYTES = 1 << 20
+
+
+@dataclass
+class SegmentSummary:
+    """What a sealed segment says about keys, for segment GC. ``put_keys`` come from record
+    headers whose payload was not read (not crc-checked: a wrong key only makes GC keep more);
+    DELETE and metadata records are crc-checked. ``complete`` is False when the walk could not
+    reach the end of the file record by record (bad header, damage, a torn or odd tail): then
+    the segment may hold anything."""
+
+    segment_no: int
+    complete: bool = False
+    put_keys: frozenset = frozenset()
+    deletes: list[bytes] = field(default_factory=list)  # keys of its DELETE records, in log order
+    metas: list[tuple[int, bytes, bytes]] = field(default_factory=list)  # (type, name, value), log order
+
+
+def summarize_segment(path: str, segment_no: int) -> SegmentSummary:
+    out = SegmentSummary(segment_no)
+    puts: set[bytes] = set()
+    with open(path, "rb") as f:
+        fd = f.fileno()
+        size = os.fstat(fd).st_size
+        try:
+            header = decode_segment_header(os.pread(fd, SEGMENT_HEADER_BYTES, 0))
+        except CorruptionError:
+            return out
+        if header.segment_no != segment_no:
+            return out
+        expect = header.first_lsn
+        off = SEGMENT_HEADER_BYTES
+        win, win_off = b"", off
+
+        big = False  # the last record was large: read the next header alone, not a window
+
+        def at(need: int) -> int:
+            """Make ``need`` bytes from ``off`` readable in ``win``; their index in it."""
+            nonlocal win, win_off
+            if off < win_off or off + need > win_off + len(win):
+                win = os.pread(fd, max(need, 4096 if big else _SUMMARY_WINDOW_BYTES), off)
+                win_off = off
+            return off - win_off
+
+        while off < size:
+            i = at(RECORD_HEADER_BYTES + KEY_BYTES)
+            if i + RECORD_HEADER_BYTES > len(win):
+                return out
+            length, _crc, rtype, lsn = RECORD_HEADER.unpack_from(win, i)
+            nbytes = RECORD_HEADER_BYTES + length
+            if lsn != expect or length >= MAX_BODY_BYTES or off + nbytes > size:
+                return out
+            if rtype == RecordType.PUT_BLOCK:
+                if length < KEY_BYTES or i + RECORD_HEADER_BYTES + KEY_BYTES > len(win):
+                    return out
+                puts.add(bytes(win[i + RECORD_HEADER_BYTES : i + RECORD_HEADER_BYTES + KEY_BYTES]))
+            elif rtype == RecordType.DELETE or rtype in META_TYPES:
+                i = at(nbytes)
+                status, rec = check_record(win, i)
+                if status != "ok" or rec.lsn != lsn:
+                    return out
+                try:
+                    if rtype == RecordType.DELETE:
+                        out.deletes.extend(decode_delete(rec.body))
+                    else:
+                        name, value = decode_meta(rec.body)
+                        out.metas.append((rtype, bytes(name), bytes(value)))
+                except CorruptionError:
+                    return out
+            off += nbytes
+            expect += 1
+            big = nbytes > _SUMMARY_WINDOW_BYTES // 16
+    out.put_keys = frozenset(puts)
+    out.complete = True
+    return out

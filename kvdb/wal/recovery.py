@@ -12,7 +12,12 @@ Steps (every open runs them; a clean close leaves nothing to replay but the chec
 4. a last segment whose header never reached the disk (crash while creating it) is removed;
 5. anything else that fails -- a record in the middle that fails its crc, a sealed segment
    that ends torn, a missing segment after the checkpoint, lsns that skip -- is *damage*:
-   listed in the result (the store counts it and ``kvdb verify`` exits 3), never applied.
+   listed in the result (the store counts it and ``kvdb verify`` exits 3), never applied;
+6. with no checkpoint (a new store, or an index rebuilt from the log: PATH/index/ removed),
+   replay starts at the first segment and a hole between two segments is one that segment GC
+   deleted, not damage (only the index knew which segments GC took): replay resumes at the
+   next segment's first lsn. Store invariant C6 (kvdb/cold/store.py) makes the surviving
+   segments replay to exactly the live state.
 """
 
 from __future__ import annotations
@@ -79,7 +84,10 @@ def recover(fs: OsFs, wal_dir: str, checkpoint: Checkpoint | None, apply, *, rep
 
     for s in todo:
         if prev is not None and s != prev and s != prev + 1:
-            res.damage.append(f"segments {prev + 1}..{s - 1} are missing")
+            if checkpoint is not None:
+                res.damage.append(f"segments {prev + 1}..{s - 1} are missing")
+            else:  # a replay from the first segment: holes are segments GC deleted (step 6)
+                expect = None
         prev = s
         path = os.path.join(wal_dir, segment_name(s))
         is_last = s == segs[-1]
