@@ -46,7 +46,7 @@ def test_timers_run_when_due_in_due_order_and_cancel():
         assert t.cancel() and m.num_timers == 3
         m.run_due()
         assert seen == []
-        clock.t = 20.0
+        clock.t = 20.0  # b is due at this very moment: it runs too
         m.run_due()
         assert seen == ["a", "b"]
         clock.t = 100.0
@@ -62,18 +62,21 @@ def test_timers_run_when_due_in_due_order_and_cancel():
         m.shutdown()
 
 
-def test_a_due_timer_goes_before_later_jobs_and_shutdown_drops_timers():
+def test_jobs_and_timers_run_in_clock_order_and_shutdown_drops_timers():
+    # Scenario: job1 submitted at t=0, a timer due at 1, the clock moves to 2, job2 submitted:
+    # job1 (due at 0), the timer (1), job2 (2) -- whatever the order the mover sees them in.
     clock = Clock()
     m = Mover(clock)
     seen = []
     hold = threading.Event()
     m.submit(hold.wait)
-    m.submit(seen.append, "job")
+    m.submit(seen.append, "job1")
     m.schedule(1.0, seen.append, "timer")
     clock.t = 2.0
+    m.submit(seen.append, "job2")
     hold.set()
     m.run_due()
-    assert seen == ["timer", "job"]  # due while the first job ran: it goes first
+    assert seen == ["job1", "timer", "job2"]
     t = m.schedule(50.0, seen.append, "never")
     m.submit(seen.append, "queued")
     m.shutdown()

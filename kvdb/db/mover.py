@@ -4,8 +4,12 @@ Two kinds of work, both run on the one thread (so moves never race each other):
 
 * **jobs** (``submit``): prefetch / offload / make-room requests; run in submission order.
 * **timers** (``schedule``): jobs with a due time on the Db's clock -- the planner's prefetch
-  deadlines (kvdb/db/sessions.py). A timer runs once its due time has come, before any job
-  submitted after that moment; a cancelled timer never runs.
+  deadlines (kvdb/db/sessions.py). A cancelled timer never runs.
+
+Order: everything in clock order. A job counts as due when it was submitted; a timer once its
+due time has come; the earliest due goes first (a job submitted before a deadline runs before
+that deadline's timer, one submitted at or after it runs after: so ``run_due`` sees every
+timer due by its call run).
 
 Why one thread with a heap rather than a thread (or a ``threading.Timer``) per session: an
 engine holds thousands of waiting agents, and a move must never overlap another move of the
@@ -53,7 +57,7 @@ class Mover:
     def __init__(self, clock: Callable[[], float], name: str = "kvdb-mover") -> None:
         self._clock = clock
         self._cv = threading.Condition()
-        self._jobs: deque[tuple[Callable, tuple, Future]] = deque()
+        self._jobs: deque[tuple[float, Callable, tuple, Future]] = deque()  # (submitted at, ...)
         self._timers: list[tuple[float, int, Timer]] = []
         self._seq = itertools.count()
         self._closed = False
@@ -67,7 +71,7 @@ class Mover:
         with self._cv:
             if self._closed:
                 raise RuntimeError("the mover is shut down")
-            self._jobs.append((fn, args, fut))
+            self._jobs.append((self._clock(), fn, args, fut))
             self._cv.notify()
         return fut
 
@@ -103,12 +107,13 @@ class Mover:
                 while self._timers and self._timers[0][2].cancelled:
                     heapq.heappop(self._timers)
                 now = self._clock()
-                if self._timers and self._timers[0][0] <= now:
+                if self._timers and self._timers[0][0] <= now and (not self._jobs
+                                                                    or self._timers[0][0] <= self._jobs[0][0]):
                     t = heapq.heappop(self._timers)[2]
                     t.ran = True
                     return t.fn, t.args, None
                 if self._jobs:
-                    return self._jobs.popleft()
+                    return self._jobs.popleft()[1:]
                 if self._closed:
                     return None
                 wait = MAX_SLEEP_S

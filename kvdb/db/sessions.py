@@ -98,7 +98,7 @@ STAT_NAMES = ("waits", "replanned_waits", "planned_offloads", "planned_offload_b
               "prefix_prefetch_blocks")
 
 
-@dataclass
+@dataclass(eq=False)  # identity: plans live in sets
 class AgentPlan:
     """One (session, agent): its chain and, while it waits, its plan (E1-E3)."""
 
@@ -128,7 +128,8 @@ class SessionsMixin:
     # ------------------------------------------------------------------ state (from Db._open)
 
     def _init_plans(self) -> None:
-        self._agents: dict[tuple, AgentPlan] = {}
+        self._agents: dict[str, dict[str | None, AgentPlan]] = {}  # session -> agent -> plan
+        self._waiting: set[AgentPlan] = set()  # plans with a predicted return
         self._last_agent: dict[str, str | None] = {}  # session -> agent that finished last
         self._chain_refs: dict[bytes, int] = {}  # key -> open agents' chains holding it
         self._recent_chains: deque = deque(maxlen=RECENT_CHAINS)  # (tenant, tuple(keys))
@@ -167,7 +168,7 @@ class SessionsMixin:
             return self._hint_locked(session_id, agent_id, hints, now_s)
 
     def _hint_locked(self, sid: str, agent_id, hints: dict, now_s) -> list[HintOutcome]:
-        if agent_id is not None and (sid, agent_id) not in self._agents:
+        if agent_id is not None and agent_id not in self._agents.get(sid, {}):
             self.planner.get_session(sid)  # NotFound first
             raise InvalidInput(f"session {sid!r} has no agent {agent_id!r} yet (agents appear with their "
                                "first call_started); leave agent_id out to mean the agent that finished last")
@@ -176,7 +177,7 @@ class SessionsMixin:
         d = _usable(outcomes, "expected_tool_duration_s")
         if d is not None:
             agent = agent_id if agent_id is not None else self._last_agent.get(sid)
-            plan = self._agents.get((sid, agent))
+            plan = self._agents.get(sid, {}).get(agent)
             if plan is not None and not plan.in_call:
                 self._start_wait(plan, d, self.planner.now(now_s))
             elif plan is not None:
@@ -195,10 +196,10 @@ class SessionsMixin:
             if session_id is None:
                 return ctx, outcomes
             outcomes = self._apply_prefix_outcomes(session_id, outcomes)
-            key = (session_id, ctx.agent_id)
-            plan = self._agents.get(key)
+            agents = self._agents.setdefault(session_id, {})
+            plan = agents.get(ctx.agent_id)
             if plan is None:
-                plan = self._agents[key] = AgentPlan(session_id, ctx.agent_id, ctx.tenant or DEFAULT_TENANT)
+                plan = agents[ctx.agent_id] = AgentPlan(session_id, ctx.agent_id, ctx.tenant or DEFAULT_TENANT)
             if plan.return_s is not None:
                 self._end_wait(plan)
             plan.in_call = True
@@ -227,7 +228,7 @@ class SessionsMixin:
                 wf = self.planner.workflow_of(session_id)
                 if wf is not None and node_id in wf.nodes:
                     agent_id = wf.nodes[node_id].agent_id
-            plan = self._agents.get((session_id, agent_id))
+            plan = self._agents.get(session_id, {}).get(agent_id)
             if plan is not None:
                 plan.in_call = False
                 self._last_agent[session_id] = agent_id
@@ -243,8 +244,8 @@ class SessionsMixin:
         self._check()
         with self._lock:
             self.planner.end_session(session_id, now_s=now_s)
-            for key in [k for k in self._agents if k[0] == session_id]:
-                plan = self._agents.pop(key)
+            for plan in self._agents.pop(session_id, {}).values():
+                self._waiting.discard(plan)
                 if plan.timer is not None and plan.timer.cancel() and not plan.prefetched:
                     self._plan_stats["cancelled_prefetches"] += 1
                 plan.gen += 1
@@ -279,7 +280,7 @@ class SessionsMixin:
         if not isinstance(ctx, CallContext) or ctx.session_id is None:
             return
         with self._lock:
-            plan = self._agents.get((ctx.session_id, ctx.agent_id))
+            plan = self._agents.get(ctx.session_id, {}).get(ctx.agent_id)
             if plan is None:
                 return
             if plan.ctx is not ctx:
@@ -331,6 +332,7 @@ class SessionsMixin:
             self._plan_stats["replanned_waits"] += 1  # a new hint or estimate replaces the plan
         plan.gen += 1
         plan.return_s = now + wait_s
+        self._waiting.add(plan)
         plan.offloaded = plan.prefetched = False
         plan.timer = self._mover.schedule(plan.return_s - self._lead_s(plan), self._prefetch_job, plan, plan.gen)
         self._plan_stats["waits"] += 1
@@ -354,6 +356,7 @@ class SessionsMixin:
         plan.gen += 1
         plan.return_s = None
         plan.timer = None
+        self._waiting.discard(plan)
 
     def _workflow_waits(self, sid: str, now_s: float | None) -> None:
         wf = self.planner.workflow_of(sid)
@@ -361,8 +364,8 @@ class SessionsMixin:
             return
         now = self.planner.now(now_s)
         starts = wf.agent_next_start(now, 0.0, WORKFLOW_TOOL_DEFAULT_S)
-        for (s, agent), plan in self._agents.items():
-            if s != sid or plan.in_call or agent not in starts:
+        for agent, plan in self._agents.get(sid, {}).items():
+            if plan.in_call or agent not in starts:
                 continue
             t = starts[agent]
             if t == math.inf:  # nothing left to run: no prefetch
@@ -370,6 +373,7 @@ class SessionsMixin:
                     self._plan_stats["cancelled_prefetches"] += 1
                 plan.gen += 1
                 plan.return_s = plan.timer = None
+                self._waiting.discard(plan)
                 continue
             wait = t - now
             if wait <= 0:
@@ -381,7 +385,7 @@ class SessionsMixin:
         dev = self.pool.tiers[DEVICE]
         if dev is None or self._offload_pending or len(dev.free) > self._device_free_target:
             return
-        if not any(p.return_s is not None and not p.offloaded for p in self._agents.values()):
+        if not any(not p.offloaded for p in self._waiting):
             return
         self._offload_pending = True
         self._mover.submit(self._offload_job)
@@ -393,7 +397,7 @@ class SessionsMixin:
             if self._state != "open" or dev is None or len(dev.free) > self._device_free_target:
                 return
             now = self._clock()
-            waiting = sorted((p for p in self._agents.values() if p.return_s is not None and not p.offloaded
+            waiting = sorted((p for p in self._waiting if not p.offloaded
                               and p.return_s - now > OFFLOAD_MIN_WAIT_S + self._lead_s(p)),
                              key=lambda p: -p.return_s)
             table = self.pool.table
@@ -498,7 +502,7 @@ class SessionsMixin:
         pk = (tenant, key)
         p = self._prefixes.get(pk)
         if p is None:
-            chains = [(p.tenant, p.chain) for p in self._agents.values()]
+            chains = [(p.tenant, p.chain) for agents in self._agents.values() for p in agents.values()]
             chains.extend(reversed(self._recent_chains))
             for t, chain in chains:
                 if t == tenant and key in chain:
@@ -596,9 +600,7 @@ class SessionsMixin:
         s = self.planner.get_session(sid)
         now = self._clock()
         agents = []
-        for (sess, agent), p in self._agents.items():
-            if sess != sid:
-                continue
+        for agent, p in self._agents.get(sid, {}).items():
             state = "in call" if p.in_call else ("waiting" if p.return_s is not None else "idle")
             a = {"agent_id": agent, "state": state, "chain_blocks": len(p.chain),
                  "private_blocks": len(self._private(p)), "tiers": self._tiers_of(p.chain)}
@@ -623,7 +625,7 @@ class SessionsMixin:
     def _plans_stats(self) -> dict:
         out = dict(self._plan_stats)
         out["planned_prefetch_s"] = round(out["planned_prefetch_s"], 6)
-        out["waiting_agents"] = sum(1 for p in self._agents.values() if p.return_s is not None)
+        out["waiting_agents"] = len(self._waiting)
         out["timers"] = self._mover.num_timers
         out["failed_moves"] = self._mover.failed_timers  # a planned move that raised (see mover.last_error)
         out["prefixes"] = len(self._prefixes)

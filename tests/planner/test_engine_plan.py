@@ -112,7 +112,7 @@ def test_shared_blocks_stay_and_host_pressure_goes_to_disk(tmp_path):
         assert all(db.contains(k) for k in ka)  # on disk, nothing lost (E4)
         p = db.stats()["plans"]
         assert p["planned_offload_blocks"] == p["planned_disk_offload_blocks"] == 2
-        plan = db._agents[("s", "a")]
+        plan = db._agents["s"]["a"]
         lead = plan.return_s - plan.timer.due_s
         assert lead > 2 * 3 * db._s_per_page + 0.25  # disk blocks count at the disk's rate
         clock.t += 120.0

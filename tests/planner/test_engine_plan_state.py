@@ -115,6 +115,8 @@ class EnginePlans(RuleBasedStateMachine):
         for name in ("device", "host"):
             assert s["tiers"][name]["pinned_pages"] <= s["tiers"][name]["capacity_pages"] // 2
         assert s["plans"]["timers"] <= s["plans"]["waiting_agents"]
+        waiting = {p for agents in db._agents.values() for p in agents.values() if p.return_s is not None}
+        assert waiting == db._waiting
         assert s["plans"]["failed_moves"] == 0, db._mover.last_error
         if not self.open:
             assert pinned == 0 and s["plans"]["timers"] == 0 and s["plans"]["prefixes"] == 0
