@@ -2,7 +2,8 @@
 lookup counting are documented at the top of ``kvdb.db.core``.
 
 Modules: ``core`` (the Db: open / close, writes, reads, pins, moves, stats), ``handles``
-(PinnedPages, ReservedFrames), ``sessions`` (the planner's engine API), ``landing`` (zero-copy
+(PinnedPages, ReservedFrames), ``sessions`` (the planner's engine API and the moves it
+plans), ``mover`` (the background thread and its timer heap), ``landing`` (zero-copy
 landing of blocks written into reserved frames), ``replication`` (push, followers, remote
 lookup).
 """
