@@ -4,10 +4,9 @@ only here; written and read by kvdb/replication/sink.py.
 The follower rewrites its position after every applied batch, before it acknowledges it
 (shipping.py S1), so the write is on the replication lag's critical path: it is one 512-byte
 ``pwrite`` into one of two slots, alternately, and one ``fdatasync`` -- not a new file renamed
-over the old one (that costs an fsync of the file and one of the directory: ~7.3 ms against
-~3.7 ms p50 on the loaded development machine). A write torn by a crash damages only the slot
-being written; the other still holds the previous position, which is safe to resume from
-(re-applying records is idempotent, S2).
+over the old one (that costs an fsync of the file and one of the directory). A write torn by a
+crash damages only the slot being written; the other still holds the previous position, which
+is safe to resume from (re-applying records is idempotent, S2).
 
 File: 1024 bytes, slot k at offset 512 * k (all integers little-endian)::
 
