@@ -161,8 +161,9 @@ def test_cancel_paths(tmp_path):
 
 
 def test_workflow_tool_node_is_a_wait(tmp_path):
-    # Scenario: a declared workflow a -> tool t (40 s) -> b, one agent. After a finishes
-    # the agent waits ~40 s: its prefetch is due before then, without any hint.
+    # Scenario: a declared workflow a -> tool t (40 s) -> b, one agent x, 4 device pages. After
+    # a finishes, x waits ~40 s without any hint; another session fills the device and x's
+    # blocks go to host; they are back before b. After b, x has nothing left: no timer.
     clock = Clock()
     with open_db(tmp_path, clock) as db:
         db.begin_session("s", tenant="t", workflow=[
@@ -175,8 +176,19 @@ def test_workflow_tool_node_is_a_wait(tmp_path):
         db.call_finished("s", node_id="a")
         ex = db.explain(session_id="s")["agents"][0]
         assert ex["agent_id"] == "x" and ex["state"] == "waiting" and 39.0 < ex["return_in_s"] <= 40.0
-        db.call_started("s", node_id="b")
-        assert db.stats()["plans"]["early_calls"] == 1
+        db.begin_session("o", tenant="t")
+        agent_call(db, "o", "y", db.block_keys(list(range(50, 58)), tenant="t"), blocks_for(2, 1))
+        db.run_plans()
+        assert tiers(db, keys) == ["host", "host"]
+        clock.t += 40.0
+        db.run_plans()
+        assert tiers(db, keys) == ["device", "device"]
+        ctx, _ = db.call_started("s", node_id="b")
+        db.match_prefix(keys, ctx=ctx)
+        db.call_finished("s", node_id="b")
+        p = db.stats()["plans"]
+        assert (p["planned_offload_blocks"], p["planned_prefetch_hits"], p["early_calls"], p["timers"]) == (2, 2, 0, 0)
+        assert db.explain(session_id="s")["agents"][0]["state"] == "idle"
 
 
 def test_bad_hints_are_rejected_and_plan_nothing(tmp_path):
