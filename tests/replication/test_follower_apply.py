@@ -61,19 +61,18 @@ class _Follower:
     """An in-process follower node (a Db, its LogSink and a NodeServer) that can be restarted."""
 
     def __init__(self, path, port: int = 0, **kw) -> None:
-        self.path, self.kw = path, kw
         self.db = _open(path, **kw)
+
+        def reopen(p, host_bytes=64 * PAGE):  # what kvdb replicate serve passes: its own options
+            return kvdb.open(p, host_bytes=host_bytes, **kw)
+
         self.srv = NodeServer(self.db, f"127.0.0.1:{port}", SECRET, transport="tcp",
-                              sink=LogSink.for_db(self.db)).start()
+                              sink=LogSink.for_db(self.db, reopen=reopen)).start()
         self.address = self.srv.address
 
     def stop(self) -> None:
         self.srv.stop()
-        self.db.close()
-
-    def restart(self) -> _Follower:
-        self.stop()
-        return _Follower(self.path, int(self.address.rsplit(":", 1)[1]), **self.kw)
+        self.srv.db.close()  # a re-seed replaces the node's Db
 
 
 # ---------------------------------------------------------------- metadata over the network
@@ -192,9 +191,10 @@ def _files(root) -> list[tuple[str, bytes]]:
 
 def test_encrypted_log_ships_sealed_and_only_to_a_follower_with_the_key(netns, tmp_path, monkeypatch):
     # Scenario: an encrypted leader ships to three followers: one with the same key, one with
-    # no encryption, one with another key. The first holds the blocks bit-exact; the other two
-    # are refused with a clear error naming the key, and apply nothing. No file of any node and
-    # no byte sent on any channel holds a stretch of a block's plaintext.
+    # no encryption, one with another key. The first holds the blocks bit-exact, then once more
+    # after a re-seed (the copy's records travel sealed too); the other two are refused with a
+    # clear error naming the key, and apply nothing. No file of any node and no byte sent on any
+    # channel holds a stretch of a block's plaintext.
     key = tmp_path / "key"
     key.write_bytes(bytes(range(32)))
     other = tmp_path / "other.key"
@@ -228,8 +228,13 @@ def test_encrypted_log_ships_sealed_and_only_to_a_follower_with_the_key(netns, t
         good.db.get_blocks(keys, out=out)
         assert torch.equal(out, blocks)
         assert good.db.cold_store.find_metadata("session", b"s") == b"v"
-        good.db.flush()
-        assert good.db.cold_store.stats()["encrypted"]
+        rep.reseed(good.address)
+        _wait(lambda: rep.status()["followers"][0]["reseeds"] == 1, "the re-seed of the follower with the key")
+        out.zero_()
+        good.srv.db.get_blocks(keys, out=out)
+        assert torch.equal(out, blocks) and good.srv.sink.status()["reseeds"] == 1
+        assert good.srv.db.cold_store.find_metadata("session", b"s") == b"v"
+        assert good.srv.db.cold_store.stats()["encrypted"]
     finally:
         rep.close()
         db.close()
