@@ -106,7 +106,8 @@ class AgentPlan:
     agent_id: str | None
     tenant: str
     chain: list = field(default_factory=list)  # keys of its latest call, chain order
-    ctx: Any = None  # the CallContext of its latest call (identity: which call a lookup is)
+    ctx: Any = None  # the CallContext of its latest call (identity: a stale context is ignored)
+    fresh: bool = False  # no lookup or put of the latest call yet: the next one starts the chain
     in_call: bool = False
     pending_wait_s: float | None = None  # the call's hinted tool wait, applied at call_finished
     return_s: float | None = None  # predicted return on the Db's clock, while waiting
@@ -203,7 +204,7 @@ class SessionsMixin:
             if plan.return_s is not None:
                 self._end_wait(plan)
             plan.in_call = True
-            plan.ctx = None  # the call's first lookup or put starts a new chain
+            plan.ctx, plan.fresh = ctx, True
             plan.pending_wait_s = _usable(outcomes, "expected_tool_duration_s")
             pk = self._session_prefix.get(session_id)
             if pk is not None:
@@ -276,15 +277,16 @@ class SessionsMixin:
     # ------------------------------------------------------------------ chains
 
     def _note_call_keys(self, ctx, keys: list) -> None:
-        """A call's lookup or put (under no lock): the keys join its agent's chain."""
+        """A call's lookup or put: the keys join its agent's chain (the context of an earlier
+        call, or of none, changes nothing)."""
         if not isinstance(ctx, CallContext) or ctx.session_id is None:
             return
         with self._lock:
             plan = self._agents.get(ctx.session_id, {}).get(ctx.agent_id)
-            if plan is None:
+            if plan is None or plan.ctx is not ctx:
                 return
-            if plan.ctx is not ctx:
-                plan.ctx = ctx
+            if plan.fresh:
+                plan.fresh = False
                 self._set_chain(plan, list(keys))
             else:
                 chain = plan.chain

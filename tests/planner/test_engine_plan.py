@@ -307,3 +307,22 @@ def test_prefix_hash_of_another_tenant_resolves_to_nothing(tmp_path):
         assert st["plans"]["prefixes"] == 0 and st["tiers"]["device"]["pinned_pages"] == 0
         db.begin_session("ok", tenant="acme", hints={"prefix_hash": 77})  # its own tenant: resolves
         assert db.explain(session_id="ok")["prefix"]["blocks"] == 1
+
+
+def test_chain_is_the_latest_calls_and_a_stale_context_changes_nothing(tmp_path):
+    # Scenario: agent a's call 1 looks up k1 and stores k1 + k2 (one chain); call 2 looks up k3;
+    # a lookup with call 1's context after that leaves call 2's chain as it is.
+    clock = Clock()
+    with open_db(tmp_path, clock, device_pages=8) as db:
+        db.begin_session("s", tenant="t")
+        k = db.block_keys(list(range(16)), tenant="t")
+        ctx1, _ = db.call_started("s", agent_id="a")
+        db.match_prefix(k[:1], ctx=ctx1)
+        db.put_blocks(k[:2], blocks_for(2), ctx=ctx1)
+        assert db._agents["s"]["a"].chain == k[:2]
+        db.call_finished("s", agent_id="a")
+        ctx2, _ = db.call_started("s", agent_id="a")
+        db.match_prefix(k[2:3], ctx=ctx2)
+        db.match_prefix(k[:2], ctx=ctx1)
+        assert db._agents["s"]["a"].chain == k[2:3]
+        assert db.explain(session_id="s")["agents"][0]["chain_blocks"] == 1
