@@ -22,6 +22,13 @@ SESSIONS = ("s1", "s2", "s3")
 TENANTS = ("acme", "evil")
 
 
+WORKFLOW = [{"id": "n1", "agent_id": "a"},
+            {"id": "t", "agent_id": "a", "kind": "tool", "deps": ["n1"], "expected_duration_s": 20},
+            {"id": "n2", "agent_id": "a", "deps": ["t"]},
+            {"id": "m1", "agent_id": "b"}]
+NODES = {"a": ["n1", "n2"], "b": ["m1"]}
+
+
 def block_of(key: bytes) -> torch.Tensor:
     g = torch.Generator().manual_seed(int.from_bytes(key[:6], "little"))
     return torch.randn((1, *LAYOUT.block_shape), generator=g)
@@ -42,21 +49,26 @@ class EnginePlans(RuleBasedStateMachine):
                             key_secret=b"0123456789abcdef")  # fixed keys: hypothesis replays draws
         self.model: dict[bytes, torch.Tensor] = {}
         self.open: dict[str, str] = {}  # session -> tenant
+        self.with_workflow: set[str] = set()
 
     def teardown(self) -> None:
         self.db.close()
         shutil.rmtree(self.dir, ignore_errors=True)
 
     @rule(sid=st.sampled_from(SESSIONS), tenant=st.sampled_from(TENANTS),
-          prefix=st.sampled_from([None, ("acme", 1), ("evil", 2), ("acme", 0)]))
-    def begin(self, sid, tenant, prefix):
+          prefix=st.sampled_from([None, ("acme", 1), ("evil", 2), ("acme", 0)]), workflow=st.booleans())
+    def begin(self, sid, tenant, prefix, workflow):
         if sid in self.open:
             return
         hints = {}
         if prefix is not None:
             t, n = prefix
             hints["prefix_hash"] = self.db.block_keys(tokens_of(0, 3), tenant=t)[n].hex()
-        out = self.db.begin_session(sid, tenant=tenant, hints=hints)
+        out = self.db.begin_session(sid, tenant=tenant, hints=hints, workflow=WORKFLOW if workflow else None)
+        if workflow:
+            self.with_workflow.add(sid)
+        else:
+            self.with_workflow.discard(sid)
         assert all(o.status in ("accepted", "clipped") for o in out)
         self.open[sid] = tenant
 
@@ -66,14 +78,15 @@ class EnginePlans(RuleBasedStateMachine):
     def call(self, data, agent, chain, n, wait):
         sid = data.draw(st.sampled_from(sorted(self.open)))
         keys = self.db.block_keys(tokens_of(chain, n), tenant=self.open[sid])
-        ctx, _ = self.db.call_started(sid, agent_id=agent)
+        node = data.draw(st.sampled_from(NODES[agent])) if sid in self.with_workflow else None
+        ctx, _ = self.db.call_started(sid, agent_id=agent, node_id=node)
         have = self.db.match_prefix(keys, ctx=ctx)
         new = keys[have:]
         if new:
             self.db.put_blocks(new, torch.cat([block_of(k) for k in new]), ctx=ctx)
             for k in new:
                 self.model.setdefault(k, block_of(k))
-        self.db.call_finished(sid, agent_id=agent, hints=None if wait is None else {"expected_tool_duration_s": wait})
+        self.db.call_finished(sid, agent_id=agent, node_id=node, hints=None if wait is None else {"expected_tool_duration_s": wait})
 
     @precondition(lambda self: self.open)
     @rule(data=st.data(), d=st.sampled_from([1.0, 60.0, float("nan")]))
