@@ -24,6 +24,22 @@ Tool waits: when an agent waits, and until when (R, its predicted return, on the
       nothing (its blocks are the replacer's to drop).
     A new wait for the agent replaces the old plan.
 
+Agent states (one per (session, agent); the plan lives in AgentPlan)::
+
+    (new) --call_started--> in call --call_finished, no wait--> idle --call_started--> in call
+                               |                                                         ^
+                               +--call_finished with a wait d / workflow estimate--> waiting
+                                                                                         |
+    waiting --hint / new estimate--> waiting (new R)   waiting --call_started--> in call (E3)
+    waiting: offload job (E1) moves blocks down; prefetch timer (E2) moves them up
+    any state --end_session--> gone (timer cancelled, chain dropped)
+
+    | edge                      | method                                        |
+    | in call -> waiting        | call_finished (hint / pending call hint), _workflow_waits |
+    | idle -> waiting           | hint(expected_tool_duration_s=), _workflow_waits |
+    | waiting -> in call        | call_started -> _end_wait (scores hits, early / late) |
+    | waiting -> idle           | _workflow_waits when the agent has nothing left |
+
 The plan of a waiting agent (invariants; tests cite them)
   E1  offload: while R is more than ``OFFLOAD_MIN_WAIT_S`` + the prefetch lead away, the
       agent's private device blocks move to the host tier *when device space is needed*:
