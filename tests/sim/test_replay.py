@@ -68,15 +68,16 @@ def test_capacity_fraction_matches_reference_capacities(conversation):
     assert [capacity_for(conversation, f) for f in (0.005, 0.01, 0.02, 0.05)] == [913, 1827, 3655, 9139]
 
 
-def _agent_trace(**kw):
+def _agent_trace(workflows=True, **kw):
     p = load_params(None, sessions=12, **kw)
-    return [json.dumps(x) for x in generate(p)]
+    return [json.dumps(x) for x in generate(p) if workflows or x.get("type") != "workflow"]
 
 
-@pytest.mark.parametrize("policy", ONLINE)
-def test_no_peeking(policy):
-    """S4: changing lines after call k never changes the hits of calls <= k."""
-    lines = _agent_trace()
+@pytest.mark.parametrize("policy, workflows", [(p, True) for p in ONLINE] + [("kvdb", False)])
+def test_no_peeking(policy, workflows):
+    """S4: changing lines after call k never changes the hits of calls <= k (kvdb also
+    without workflow lines: its next-call estimates are learned from earlier calls only)."""
+    lines = _agent_trace(workflows)
     calls = [i for i, l in enumerate(lines) if "hash_ids" in l]
     k_line = calls[len(calls) // 2]
     k_call = len([i for i in calls if i <= k_line])
@@ -102,10 +103,12 @@ def test_replays_are_deterministic():
         assert a == b
 
 
-def test_kvdb_never_below_lru_on_agent_traces():
-    """Generated agent traces with exact, noisy (sigma = 1) and no hints, 1 % and 5 %."""
+@pytest.mark.parametrize("workflows", [True, False])
+def test_kvdb_never_below_lru_on_agent_traces(workflows):
+    """Generated agent traces with exact, noisy (sigma = 1) and no hints, 1 % and 5 %, with
+    and without their declared workflows."""
     for kw in ({}, {"hint_noise_sigma": 1.0}, {"hints": False}):
-        t = parse_trace("\n".join(_agent_trace(**kw)))
+        t = parse_trace("\n".join(_agent_trace(workflows, **kw)))
         for f in (0.01, 0.05):
             cap = capacity_for(t, f)
             lru = replay(t, "lru", cap).block_hit_ratio
