@@ -326,3 +326,27 @@ def test_chain_is_the_latest_calls_and_a_stale_context_changes_nothing(tmp_path)
         db.match_prefix(k[:2], ctx=ctx1)
         assert db._agents["s"]["a"].chain == k[2:3]
         assert db.explain(session_id="s")["agents"][0]["chain_blocks"] == 1
+
+
+def test_a_wait_said_during_the_call_starts_when_the_call_ends(tmp_path):
+    # Scenario: the call's own hint (call_started) and a hint given while the call runs both
+    # start the wait at call_finished, from the call's end.
+    clock = Clock()
+    with open_db(tmp_path, clock) as db:
+        db.begin_session("s", tenant="t")
+        k = db.block_keys(list(range(8)), tenant="t")
+        ctx, _ = db.call_started("s", agent_id="a", hints={"expected_tool_duration_s": 10})
+        db.put_blocks(k, blocks_for(2), ctx=ctx)
+        assert db.explain(session_id="s")["agents"][0]["state"] == "in call"
+        clock.t += 5.0
+        db.call_finished("s", agent_id="a")
+        a = db.explain(session_id="s")["agents"][0]
+        assert a["state"] == "waiting" and 9.0 < a["return_in_s"] <= 10.0
+        ctx, _ = db.call_started("s", agent_id="a")
+        assert db.hint("s", agent_id="a", expected_tool_duration_s=30)[0].status == "accepted"
+        assert db.explain(session_id="s")["agents"][0]["state"] == "in call"
+        clock.t += 2.0
+        db.call_finished("s", agent_id="a")
+        a = db.explain(session_id="s")["agents"][0]
+        assert a["state"] == "waiting" and 29.0 < a["return_in_s"] <= 30.0
+        assert db.stats()["plans"]["waits"] == 2
