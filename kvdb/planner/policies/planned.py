@@ -216,11 +216,17 @@ class PlannedReplacer(Replacer):
         d = self._interest[f]
         t = deadline = math.inf
         if d:
-            for k in [k for k, e in d.items() if e[1] < now]:  # that agent's plan proved wrong
-                del d[k]
-            for u, dl in d.values():
-                if u < t:
+            dead = None
+            for k, (u, dl) in d.items():
+                if dl < now:  # that agent's plan proved wrong
+                    if dead is None:
+                        dead = []
+                    dead.append(k)
+                elif u < t:
                     t, deadline = u, dl
+            if dead is not None:
+                for k in dead:
+                    del d[k]
         if not d:
             self._interest[f] = None
             if self._planned[f]:
