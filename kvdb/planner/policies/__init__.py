@@ -6,7 +6,8 @@ The engine and the simulator build policies through ``make_policy`` and run the 
 
 from __future__ import annotations
 
-from typing import Any, Hashable, Sequence
+from collections.abc import Hashable, Sequence
+from typing import Any
 
 from kvdb.buffer_pool.replacer import ArcReplacer, LruReplacer, Replacer
 from kvdb.errors import InvalidInput
@@ -39,5 +40,13 @@ def make_policy(name: str, num_frames: int, *, future: Sequence[Sequence[Hashabl
     return cls(num_frames, **options)
 
 
-__all__ = ["POLICIES", "REPLAY_ONLY", "make_policy", "BeladyReplacer", "KvflowReplacer", "LfuReplacer",
-           "PlannedReplacer", "TokencakeReplacer"]
+__all__ = [
+    "POLICIES",
+    "REPLAY_ONLY",
+    "BeladyReplacer",
+    "KvflowReplacer",
+    "LfuReplacer",
+    "PlannedReplacer",
+    "TokencakeReplacer",
+    "make_policy",
+]

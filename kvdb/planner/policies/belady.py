@@ -10,7 +10,7 @@ simulator offers a call's blocks before evicting, an offered block may go at onc
 from __future__ import annotations
 
 import math
-from typing import Hashable, Sequence
+from collections.abc import Hashable, Sequence
 
 from kvdb.errors import InvalidInput
 from kvdb.planner.policies.heap import HeapReplacer

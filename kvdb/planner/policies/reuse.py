@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from typing import Hashable
+from collections.abc import Hashable
 
 HISTORY_MULT = 32  # history ids kept per frame of the tier
 HISTORY_MAX = 1 << 18  # ... and at most this many (~280 B an id: ~75 MB for a large pool)
