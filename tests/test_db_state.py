@@ -9,7 +9,8 @@ DbMachine -- memory-only Db (disk tier off): evicted blocks are gone, so the mod
 
 DiskDbMachine -- the same with the disk tier on (unbounded): nothing is ever lost, so the model
 is exact: match_prefix equals the model's prefix, every stored key reads back exactly, also
-after close and reopen (write-back of durability="none" pages at close).
+after close and reopen (write-back of durability="none" pages at close), also when the reopen
+rebuilds the cold tier's index from the log alone.
 
 Both also land blocks in place (kvdb/db/landing.py, pool invariant P6): reserve_frames lends
 host frames (all or nothing: a CapacityError evicts nothing), bytes are written into them;
@@ -20,6 +21,8 @@ never keyed, never free, and a reservation never evicts a pinned page.
 
 from __future__ import annotations
 
+import os
+import shutil
 import tempfile
 
 import pytest
@@ -183,10 +186,12 @@ class DbMachine(RuleBasedStateMachine):
             with pytest.raises(kvdb.errors.InvalidInput):  # released frames cannot be committed
                 self.db.commit_frames(self.keys[: len(res)], res)
 
-    @rule()
+    @rule(rebuild=st.booleans())
     @precondition(lambda self: self.db is not None and self.DISK and not self.pins and not self.landing)
-    def reopen(self):
+    def reopen(self, rebuild):
         self.db.close()
+        if rebuild:  # the cold tier's index rebuilt from its log alone (store invariant C6)
+            shutil.rmtree(os.path.join(self.tmp.name, "index"))
         host_pages, device_pages, replacer = self.open_args
         self.db = kvdb.open(self.tmp.name, host_bytes=host_pages * LAYOUT.page_bytes,
                             device_bytes=device_pages * LAYOUT.page_bytes, device="cpu", replacer=replacer)
