@@ -196,7 +196,11 @@ def _move_chunk(store, segment_no: int, keys: list[bytes], out: dict) -> int:
 def _summary(store, segment_no: int, cache: bool) -> SegmentSummary:
     sm = store._summaries.get(segment_no)
     if sm is None:
-        sm = summarize_segment(os.path.join(store.wal_dir, segment_name(segment_no)), segment_no)
+        try:
+            sm = summarize_segment(os.path.join(store.wal_dir, segment_name(segment_no)), segment_no)
+        except OSError:  # a read error: judged as damage (kept, may hold anything), not cached
+            store._count(read_errors=1)
+            return SegmentSummary(segment_no)
         if cache:
             store._summaries[segment_no] = sm
     return sm
