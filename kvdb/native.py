@@ -165,7 +165,7 @@ class Committer:
     otherwise. The pure-Python twin is kvdb/wal/writer.py's leader/follower group commit
     (``LogWriter(native_commit=False)``); tests run both."""
 
-    def __init__(self, path: str, durable_lsn: int, gather_s: float, num_workers: int = 2) -> None:
+    def __init__(self, path: str, durable_lsn: int, gather_s: float, num_workers: int = 1) -> None:
         if _lib is None:
             raise RuntimeError("the native group committer needs the compiled core (kvdb._native)")
         c = _lib.kvdb_committer_open(os.fsencode(path), durable_lsn, int(gather_s * 1e9), num_workers)

@@ -355,7 +355,7 @@ def test_committer_stop_drains_then_refuses(tmp_path):
     for _round in range(20):
         c = native.Committer(str(path), 0, gather_s=0.002, num_workers=3)
         got: list = []
-        threads = [threading.Thread(target=lambda n=n: got.append(c.wait(n))) for n in range(1, 9)]
+        threads = [threading.Thread(target=lambda n=n, c=c, got=got: got.append(c.wait(n))) for n in range(1, 9)]
         for t in threads:
             t.start()
         c.stop()

@@ -9,6 +9,9 @@ Figures (all measured in one run, DESIGN.md "Performance"):
 * ``read_gbps``        ColdStore.get_into of the same pages, page cache dropped the same way;
 * ``sync_ops_s``       one thread putting small blocks, each under ``sync`` (its own fsync);
 * ``group_commit_ops_s`` 8 threads putting the same small blocks under ``group``;
+* ``fsync_us``         median of a plain 4 KiB append + fdatasync on the same filesystem, taken
+                       between the commit phases: the two rates above are read next to it (group
+                       commit gains most when fsync is slow);
 * ``recovery_s``       reopen after a crash (no checkpoint) with ``recovery_bytes`` of log to
                        replay, page cache dropped; ``recovery_raw_read_s`` is the baseline: a
                        plain sequential read of the same segment files, cache dropped too.
@@ -120,15 +123,34 @@ def bench_bandwidth(root: str, total_bytes: int, batch_pages: int) -> dict:
     }
 
 
+def _fsync_samples_us(path: str, n: int) -> list[float]:
+    """n plain 4 KiB appends, each followed by fdatasync (the cost a ``sync`` put pays)."""
+    block = bytes(SMALL.page_bytes)
+    out = []
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        for _ in range(n):
+            t0 = time.perf_counter()
+            os.write(fd, block)
+            os.fdatasync(fd)
+            out.append((time.perf_counter() - t0) * 1e6)
+    finally:
+        os.close(fd)
+    return out
+
+
 def bench_commits(root: str, threads: int, ops_per_thread: int, sync_ops: int, rounds: int = 4) -> dict:
-    """Phases alternate (sync, group, sync, group, ...) so that both see the same disk."""
+    """Phases alternate (fsync probe, sync, group, fsync probe, sync, group, ...) so that all
+    see the same disk."""
     rng = np.random.default_rng(1)
     page = rng.integers(0, 256, (1, SMALL.page_bytes), dtype=np.uint8)
     store = ColdStore.open(os.path.join(root, "small"), SMALL)
     sync_s = group_s = 0.0
     group_fsyncs = 0
+    fsync_us: list[float] = []
     try:
         for r in range(rounds):
+            fsync_us += _fsync_samples_us(os.path.join(root, "fsync-probe"), 25)
             keys = _keys(sync_ops // rounds, 10 + r)
             t0 = time.perf_counter()
             for k in keys:
@@ -164,6 +186,7 @@ def bench_commits(root: str, threads: int, ops_per_thread: int, sync_ops: int, r
         "group_threads": threads,
         "group_commit_ops_s": round(n_group / group_s, 1),
         "group_ops_per_fsync": round(n_group / max(1, group_fsyncs), 2),
+        "fsync_us": round(statistics.median(fsync_us), 1),
     }
 
 

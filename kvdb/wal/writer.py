@@ -18,9 +18,8 @@ batches ``group`` puts in front of this, kvdb/cold/store.py ``_put_group``.)
 
 The native committer (``native_commit``; on by default with the real ``OsFs`` and the compiled
 core). Then no Python thread leads: a C thread (native/kvdb_native.c "group commit", invariants
-K1-K4) fsyncs the active segment for everyone waiting, gathers the next batch while nobody holds
-the GIL, and wakes the covered waiters with one broadcast; ``sync_to`` is one call that blocks
-with the GIL released. Appends, rotations, the ``own`` fsync and every failure stay here and
+K1-K4) fsyncs the active segment once for everyone waiting and wakes exactly the waiters it
+covered; ``sync_to`` is one call that blocks with the GIL released. Appends, rotations, the ``own`` fsync and every failure stay here and
 are handed to it (``publish``, ``set_path``, ``fail``). The leader/follower path above is its
 pure-Python twin: used under a fault-injecting file layer (FaultFs counts and fails *our* I/O
 calls, which the C thread would bypass) and where the compiled core is missing.
@@ -51,7 +50,14 @@ from typing import NamedTuple
 
 from kvdb import native
 from kvdb.errors import DbFailedError, StorageIOError
-from kvdb.format.record import RECORD_HEADER_BYTES, SEGMENT_HEADER_BYTES, buffer_bytes, encode_header, encode_segment_header, segment_name
+from kvdb.format.record import (
+    RECORD_HEADER_BYTES,
+    SEGMENT_HEADER_BYTES,
+    buffer_bytes,
+    encode_header,
+    encode_segment_header,
+    segment_name,
+)
 from kvdb.wal.fs import OsFs
 
 _allocate_lock = threading.Lock
@@ -81,10 +87,13 @@ class _Segment:
 class LogWriter:
     def __init__(self, fs: OsFs, wal_dir: str, *, segment_no: int, offset: int, next_lsn: int,
                  segment_bytes: int, on_durable=None, native_commit: bool | None = None,
-                 gather_s: float = 0.0005, commit_workers: int = 2) -> None:
+                 gather_s: float = 0.0, commit_workers: int = 1) -> None:
         """``native_commit``: None picks the native committer when the compiled core is there
         and ``fs`` is the plain OsFs; True insists on it; False keeps the Python leader.
-        ``gather_s``: how long the native committer waits for the writers it last woke."""
+        ``gather_s``: how long the native committer waits for the writers it last woke (0:
+        the cold store gathers its group puts in its own queue, and the fsync starts at once);
+        ``commit_workers``: its fsync threads (more than one lets fsyncs overlap; see
+        native/kvdb_native.c for why one is the default)."""
         self.fs = fs
         self.wal_dir = wal_dir
         self.segment_bytes = segment_bytes

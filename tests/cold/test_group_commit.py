@@ -13,6 +13,7 @@ import time
 
 import numpy as np
 import pytest
+from cold_fixtures import TINY, key, pages_for
 
 from kvdb import native
 from kvdb.cold.store import ColdStore
@@ -20,8 +21,6 @@ from kvdb.errors import DbFailedError, InvalidInput, StorageIOError
 from kvdb.format.record import RecordType, encode_meta
 from kvdb.wal.fs import OsFs
 from kvdb.wal.writer import LogWriter
-
-from cold_fixtures import TINY, key, pages_for
 
 FOLLOWERS = 7
 
