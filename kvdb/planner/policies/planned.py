@@ -11,12 +11,15 @@ Each resident block is in one of two classes:
     estimate of every agent whose last chain holds it and is planned for the earliest (a
     shared prompt is needed by whoever runs first); when no interested agent has anything
     left to run, a private block is released (H = -inf).
-  - Sessions without one: hint ``expected_tool_duration_s`` d plans the call's private
-    blocks for now + d; ``ttl_s`` keeps them until now + ttl. An agent calling without a
-    hint while siblings of its session wait on tools is taken to wait for them (fan-in):
-    its private blocks are planned for the last sibling's return + one LLM call.
-  A plan has a deadline, t_next + 3 (t_next - now) + 2 s (slack for noisy hints: σ = 1 in
-  log space is a factor e either way); past it the block becomes unplanned.
+  - Sessions without one: the same last chains and interests, each agent's next call
+    estimated by ``_infer``: a tool-wait hint d gives now + one LLM call + d; without a hint
+    the agent waits for siblings still on tools (fan-in: their last return + one LLM call)
+    or calls on its own rhythm, plus a residual learned from the sessions' past by
+    kvdb.planner.policies.gaps, stretched by 1 / P(it calls again) ** 2; ``ttl_s`` keeps the
+    chain until now + ttl.
+  Each agent's interest carries a deadline, t_next + 3 (t_next - now) + 2 s (slack for noisy
+  hints: σ = 1 in log space is a factor e either way); a block is planned for the earliest
+  live interest, and becomes unplanned when none is left.
 * **unplanned**: GreedyDual over a learned value. Key H = L + v with
   v = min(accesses, 64) ** alpha * (1 + priority), 0 for the last block of a call (almost
   always a partial block: the next turn's longer prompt changes its hash, so it is reused ~1 %
