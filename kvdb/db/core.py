@@ -131,6 +131,9 @@ class Db(SessionsMixin, LandingMixin, ReplicationMixin):
         self.path.mkdir(parents=True, exist_ok=True)
         self._lock_fd = self._take_lock()
         try:
+            from kvdb.replication.reseed import finish_swap_locked
+
+            finish_swap_locked(self.path)  # a re-seed a crash interrupted: roll it forward or drop it (RS1)
             self._open(
                 layout, model_id, host_bytes, device_bytes, device, replacer, key_secret, key_algo,
                 dict(model_revision=model_revision, tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size),

@@ -76,40 +76,49 @@ def finish_swap(path) -> bool:
     Takes the directory's lock meanwhile (DbLockedError while a Db has it open)."""
     path = Path(path)
     rep = path / "replication"
+    if not any((rep / n).exists() for n in (SWAP_MARKER, STAGING_DIR, ASIDE_DIR)):
+        return False
+    fd = _take_lock(path)
+    try:
+        return finish_swap_locked(path)
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+
+
+def finish_swap_locked(path) -> bool:
+    """``finish_swap`` for a caller that already holds the directory's lock (``Db`` open)."""
+    path = Path(path)
+    rep = path / "replication"
     staging, aside, marker = rep / STAGING_DIR, rep / ASIDE_DIR, rep / SWAP_MARKER
     if not (marker.exists() or staging.exists() or aside.exists()):
         return False
     fs = OsFs()
-    fd = _take_lock(path)
-    try:
-        if not marker.exists():
-            shutil.rmtree(staging, ignore_errors=True)
-            shutil.rmtree(aside, ignore_errors=True)
-            return False
-        aside.mkdir(exist_ok=True)
-        for name in MOVED:
-            src, cur = staging / name, path / name
-            if not src.exists():
-                continue  # moved in before the crash
-            if cur.exists():
-                if (aside / name).exists():
-                    shutil.rmtree(cur)  # made by someone who opened the half-swapped directory
-                else:
-                    os.rename(cur, aside / name)
-            os.rename(src, cur)
-        src = staging / "replication" / APPLIED_NAME
-        if src.exists():
-            os.replace(src, rep / APPLIED_NAME)
-        fs.sync_dir(str(path))
-        fs.sync_dir(str(rep))
-        marker.unlink()
-        fs.sync_dir(str(rep))
-        shutil.rmtree(aside, ignore_errors=True)
+    if not marker.exists():
         shutil.rmtree(staging, ignore_errors=True)
-        return True
-    finally:
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        os.close(fd)
+        shutil.rmtree(aside, ignore_errors=True)
+        return False
+    aside.mkdir(exist_ok=True)
+    for name in MOVED:
+        src, cur = staging / name, path / name
+        if not src.exists():
+            continue  # moved in before the crash
+        if cur.exists():
+            if (aside / name).exists():
+                shutil.rmtree(cur)  # made by someone who opened the half-swapped directory
+            else:
+                os.rename(cur, aside / name)
+        os.rename(src, cur)
+    src = staging / "replication" / APPLIED_NAME
+    if src.exists():
+        os.replace(src, rep / APPLIED_NAME)
+    fs.sync_dir(str(path))
+    fs.sync_dir(str(rep))
+    marker.unlink()
+    fs.sync_dir(str(rep))
+    shutil.rmtree(aside, ignore_errors=True)
+    shutil.rmtree(staging, ignore_errors=True)
+    return True
 
 
 class Staging:

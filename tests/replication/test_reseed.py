@@ -132,12 +132,14 @@ def test_a_follower_of_another_log_is_reseeded_when_asked(netns, tmp_path, kind)
     assert lsn_a < lsn
 
 
-def test_finish_swap_rolls_forward_from_every_crash_point(tmp_path):
+@pytest.mark.parametrize("finisher", ["finish_swap", "open"])
+def test_finish_swap_rolls_forward_from_every_crash_point(tmp_path, finisher):
     # Scenario (RS1): a follower holds blocks A; a complete copy holding blocks B is sealed
     # (marker written). A crash after any prefix of the swap's steps -- old wal/ moved aside,
     # new wal/ moved in, the same for index/, the position file moved in -- is finished by
     # finish_swap: the directory then opens with exactly B and the copy's position. Without
     # the marker (a crash while the copy was received) the copy is dropped and A stays.
+    # A plain open of the directory finishes it the same way (it takes the lock first).
     ka, kb = make_keys(3, tag=73), make_keys(5, tag=74)
     steps = [("wal", "aside"), ("wal", "in"), ("index", "aside"), ("index", "in"), ("applied", "in")]
     for crash_at in range(len(steps) + 1):
@@ -156,7 +158,10 @@ def test_finish_swap_rolls_forward_from_every_crash_point(tmp_path):
                 os.rename(path / name, rep / ASIDE_DIR / name)
             else:
                 os.rename(rep / STAGING_DIR / name, path / name)
-        assert finish_swap(path) is True
+        if finisher == "finish_swap":
+            assert finish_swap(path) is True
+        else:
+            _open(path).close()
         assert not (rep / SWAP_MARKER).exists() and not (rep / STAGING_DIR).exists()
         with _open(path) as db:
             assert set(_blocks_of(db, ka + kb)) == set(kb), crash_at
@@ -169,7 +174,11 @@ def test_finish_swap_rolls_forward_from_every_crash_point(tmp_path):
     st = Staging(path, _reopen, page_bytes=PAGE, snapshot_lsn=42, log_id="cafe", records_total=5)
     st.db.put_blocks(kb, make_blocks(5, seed=74), durability="none", tier="disk")
     st.db.close()  # the process died here: no seal, no marker
-    assert finish_swap(path) is False and not (path / "replication" / STAGING_DIR).exists()
+    if finisher == "finish_swap":
+        assert finish_swap(path) is False
+    else:
+        _open(path).close()
+    assert not (path / "replication" / STAGING_DIR).exists()
     with _open(path) as db:
         assert set(_blocks_of(db, ka + kb)) == set(ka)
 
