@@ -62,7 +62,9 @@ def child(path: str, round_no: int) -> None:
 
     from kvdb.cold.store import ColdStore
 
-    store = ColdStore.open(path, LAYOUT, segment_bytes=SEGMENT_BYTES, flush_interval_s=0.01)
+    # odd rounds fsync group commits in the native committer thread (ColdStore native_commit)
+    store = ColdStore.open(path, LAYOUT, segment_bytes=SEGMENT_BYTES, flush_interval_s=0.01,
+                           native_commit=round_no % 2 == 1)
     rng = random.Random(round_no)
     pending: list[int] = []  # keys written under "none", acknowledged by the next sync
     out = sys.stdout
@@ -74,7 +76,7 @@ def child(path: str, round_no: int) -> None:
         keys = [key_of(round_no, i + j) for j in range(n)]
         pages = np.vstack([page_of(k) for k in keys])
         r = rng.random()
-        durability = "sync" if r < 0.4 else "group" if r < 0.8 else "none"  # group: the native committer
+        durability = "sync" if r < 0.4 else "group" if r < 0.8 else "none"
         store.put(keys, pages, None, durability)
         if durability != "none":  # the ack covers every earlier record of the log as well
             acks = [key_of(round_no, x) for x in pending] + keys

@@ -9,6 +9,8 @@ Figures (all measured in one run, DESIGN.md "Performance"):
 * ``read_gbps``        ColdStore.get_into of the same pages, page cache dropped the same way;
 * ``sync_ops_s``       one thread putting small blocks, each under ``sync`` (its own fsync);
 * ``group_commit_ops_s`` 8 threads putting the same small blocks under ``group``;
+* ``group_commit_native_ops_s`` the same with ``native_commit=True`` (the native committer's
+                       fsyncs instead of the Python leader's; kvdb/wal/writer.py);
 * ``fsync_us``         median of a plain 4 KiB append + fdatasync on the same filesystem, taken
                        between the commit phases: the two rates above are read next to it (group
                        commit gains most when fsync is slow);
@@ -31,6 +33,7 @@ import time
 
 import numpy as np
 
+from kvdb import native
 from kvdb.buffer_pool.layout import BlockLayout
 from kvdb.cold.store import ColdStore
 
@@ -139,15 +142,40 @@ def _fsync_samples_us(path: str, n: int) -> list[float]:
     return out
 
 
+def _group_phase(store: ColdStore, page: np.ndarray, threads: int, n_per_thread: int, tag: int) -> tuple[float, int]:
+    """``threads`` writers, each putting n_per_thread single blocks under group; returns
+    (seconds, fsyncs). Ends with a flush: index updates left queued are part of the cost."""
+    f0 = store.stats()["fsyncs"]
+    barrier = threading.Barrier(threads + 1)
+
+    def writer(t: int) -> None:
+        ks = _keys(n_per_thread, tag + t)
+        barrier.wait()
+        for k in ks:
+            store.put([k], page, None, "group")
+
+    ts = [threading.Thread(target=writer, args=(t,)) for t in range(threads)]
+    for t in ts:
+        t.start()
+    barrier.wait()
+    t0 = time.perf_counter()
+    for t in ts:
+        t.join()
+    store.flush()
+    return time.perf_counter() - t0, store.stats()["fsyncs"] - f0
+
+
 def bench_commits(root: str, threads: int, ops_per_thread: int, sync_ops: int, rounds: int = 4) -> dict:
-    """Phases alternate (fsync probe, sync, group, fsync probe, sync, group, ...) so that all
-    see the same disk."""
+    """Phases alternate (fsync probe, sync, group, group with the native committer, ...) so
+    that all see the same disk."""
     rng = np.random.default_rng(1)
     page = rng.integers(0, 256, (1, SMALL.page_bytes), dtype=np.uint8)
     store = ColdStore.open(os.path.join(root, "small"), SMALL)
-    sync_s = group_s = 0.0
-    group_fsyncs = 0
+    native_store = ColdStore.open(os.path.join(root, "small-native"), SMALL, native_commit=True) if native.HAVE_NATIVE else None
+    sync_s = group_s = nat_s = 0.0
+    group_fsyncs = nat_fsyncs = 0
     fsync_us: list[float] = []
+    per = ops_per_thread // rounds
     try:
         for r in range(rounds):
             fsync_us += _fsync_samples_us(os.path.join(root, "fsync-probe"), 25)
@@ -156,31 +184,18 @@ def bench_commits(root: str, threads: int, ops_per_thread: int, sync_ops: int, r
             for k in keys:
                 store.put([k], page, None, "sync")
             sync_s += time.perf_counter() - t0
-
-            f0 = store.stats()["fsyncs"]
-            barrier = threading.Barrier(threads + 1)
-
-            def writer(t: int, r: int = r) -> None:
-                ks = _keys(ops_per_thread // rounds, 1000 * (r + 1) + t)
-                barrier.wait()
-                for k in ks:
-                    store.put([k], page, None, "group")
-
-            ts = [threading.Thread(target=writer, args=(t,)) for t in range(threads)]
-            for t in ts:
-                t.start()
-            barrier.wait()
-            t0 = time.perf_counter()
-            for t in ts:
-                t.join()
-            store.flush()  # index updates group puts left queued are part of their cost
-            group_s += time.perf_counter() - t0
-            group_fsyncs += store.stats()["fsyncs"] - f0
+            s, f = _group_phase(store, page, threads, per, 1000 * (r + 1))
+            group_s, group_fsyncs = group_s + s, group_fsyncs + f
+            if native_store is not None:
+                s, f = _group_phase(native_store, page, threads, per, 1000 * (r + 1))
+                nat_s, nat_fsyncs = nat_s + s, nat_fsyncs + f
     finally:
         store.close()
+        if native_store is not None:
+            native_store.close()
     n_sync = rounds * (sync_ops // rounds)
-    n_group = rounds * threads * (ops_per_thread // rounds)
-    return {
+    n_group = rounds * threads * per
+    out = {
         "small_page_bytes": SMALL.page_bytes,
         "sync_ops_s": round(n_sync / sync_s, 1),
         "group_threads": threads,
@@ -188,6 +203,10 @@ def bench_commits(root: str, threads: int, ops_per_thread: int, sync_ops: int, r
         "group_ops_per_fsync": round(n_group / max(1, group_fsyncs), 2),
         "fsync_us": round(statistics.median(fsync_us), 1),
     }
+    if native_store is not None:
+        out["group_commit_native_ops_s"] = round(n_group / nat_s, 1)
+        out["group_native_ops_per_fsync"] = round(n_group / max(1, nat_fsyncs), 2)
+    return out
 
 
 def bench_recovery(root: str, log_bytes: int) -> dict:

@@ -122,11 +122,13 @@ class ColdStore:
     def open(cls, path, layout, *, disk_bytes: int | None = None, encryption_key_file: str | None = None,
              codec: str = "raw", default_durability: str = "group", fs: OsFs | None = None,
              segment_bytes: int = DEFAULT_SEGMENT_BYTES, checkpoint_bytes: int = DEFAULT_CHECKPOINT_BYTES,
-             flush_interval_s: float | None = 0.05) -> "ColdStore":
+             flush_interval_s: float | None = 0.05, native_commit: bool = False) -> "ColdStore":
         """Open (creating when missing) the cold tier under ``path``; runs recovery.
 
         ``flush_interval_s=None`` turns the background flusher off (deterministic I/O for the
-        crash tests; ``none`` writes then become durable at the next group/sync/checkpoint)."""
+        crash tests; ``none`` writes then become durable at the next group/sync/checkpoint).
+        ``native_commit=True`` fsyncs group commits in the native committer thread (ahead when
+        fsync is very fast, behind at 0.2 ms: kvdb/wal/writer.py, docs/durability.md)."""
         self = cls()
         if codec not in CODEC_NAMES:
             raise InvalidInput(f"codec must be one of {sorted(CODEC_NAMES)}, got {codec!r}")
@@ -150,6 +152,7 @@ class ColdStore:
         self.default_durability = default_durability
         self.checkpoint_bytes = checkpoint_bytes
         self._fs = fs if fs is not None else OsFs()
+        self._native_commit = native_commit
         self._failed: BaseException | None = None
         self.debug_on_index_flush = None  # tests: called after each checkpoint's index flush
         self._ckpt_lock = threading.Lock()
@@ -225,7 +228,8 @@ class ColdStore:
             self._index.flush()  # the index WAL is off: make the key check survive a crash now
         self._writer = LogWriter(self._fs, self.wal_dir, segment_no=self.recovery.segment_no,
                                  offset=self.recovery.offset, next_lsn=self.recovery.next_lsn,
-                                 segment_bytes=segment_bytes, on_durable=self._apply)
+                                 segment_bytes=segment_bytes, on_durable=self._apply,
+                                 native_commit=self._native_commit)
         self._ckpt_lsn = checkpoint.applied_lsn if checkpoint else 0
         self._ckpt_log_bytes = 0  # log bytes appended since the last checkpoint
         entries = sorted(self._index.entries(), key=lambda kv: kv[1].lsn)

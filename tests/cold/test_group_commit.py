@@ -1,9 +1,9 @@
 """Group commit: the queue of ColdStore (``group`` puts from many threads share one append and
 one fsync) and the LogWriter's waiters. The file layer's fsync is held open by a
 fault-injecting OsFs, so which writers share which fsync is decided by the test, not by thread
-timing. Any OsFs subclass runs the pure-Python leader/follower path; the plain OsFs runs the
-native committer (native/kvdb_native.c), whose tests are at the end: agreement with the Python
-path byte for byte, many writers, injected EIO/ENOSPC, close while writers wait."""
+timing. ``native_commit=True`` runs the native committer (native/kvdb_native.c) instead of the
+Python leader/follower; its tests are at the end: agreement with the Python path byte for byte,
+many writers, injected EIO/ENOSPC, close while writers wait."""
 
 from __future__ import annotations
 
@@ -152,7 +152,8 @@ def test_many_writers_with_deletes_and_sync_puts_all_commit_and_read_back(tmp_pa
     if path == "native" and not native.HAVE_NATIVE:
         pytest.skip("compiled core not built")
     fs = SlowSyncFs() if path == "python" else OsFs()
-    store = ColdStore.open(tmp_path / "s", TINY, fs=fs, flush_interval_s=None, segment_bytes=16 << 10)
+    store = ColdStore.open(tmp_path / "s", TINY, fs=fs, flush_interval_s=None, segment_bytes=16 << 10,
+                           native_commit=path == "native")
     assert (store._writer.committer is not None) == (path == "native")
     group_keys = [[key(1000 + 100 * t + i) for i in range(60)] for t in range(8)]
     sync_keys = [key(5000 + i) for i in range(30)]
@@ -264,10 +265,6 @@ def test_a_writer_waiting_on_a_failed_fsync_fails_and_never_fsyncs_again(tmp_pat
 needs_native = pytest.mark.skipif(not native.HAVE_NATIVE, reason="compiled core kvdb._native not built")
 
 
-class PythonPathFs(OsFs):
-    """The real file layer, but not *the* OsFs: the store keeps the pure-Python group commit."""
-
-
 def _workload(store: ColdStore) -> None:
     """One thread, every kind of append: group / sync / none puts, deletes, metadata, a
     checkpoint, rotations (small segments)."""
@@ -288,8 +285,9 @@ def test_native_committer_writes_the_same_log_as_the_python_path(tmp_path):
     # Scenario: the same single-threaded workload through both paths. The segment files are
     # identical byte for byte (same records, lsns, rotations), and so are the reads and stats.
     results = {}
-    for name, fs in (("native", OsFs()), ("python", PythonPathFs())):
-        store = ColdStore.open(tmp_path / name, TINY, fs=fs, flush_interval_s=None, segment_bytes=2048)
+    for name in ("native", "python"):
+        store = ColdStore.open(tmp_path / name, TINY, flush_interval_s=None, segment_bytes=2048,
+                               native_commit=name == "native")
         assert (store._writer.committer is not None) == (name == "native")
         _workload(store)
         all_keys = [key(k) for k in range(400)]
@@ -315,7 +313,7 @@ def test_native_fsync_error_is_typed_sticky_and_loses_nothing_acknowledged(tmp_p
     # fails (injected in C, as the device would fail it). Every writer waiting on it gets a
     # StorageIOError or DbFailedError, no later fsync acknowledges anything (K2), every later
     # call raises DbFailedError, and after a reopen every acknowledged page reads back exact.
-    store = ColdStore.open(tmp_path / "s", TINY, flush_interval_s=None)
+    store = ColdStore.open(tmp_path / "s", TINY, flush_interval_s=None, native_commit=True)
     c = store._writer.committer
     acked = [key(1000 + t) for t in range(4)]
     for k in acked:
@@ -361,7 +359,7 @@ def test_close_while_native_waiters_are_blocked_returns_everyone(tmp_path):
     # Scenario: 8 writers put under group in a loop while the main thread closes the store.
     # Nobody hangs; every put either returned (then it is durable: it reads back after a
     # reopen) or raised a kvdb error (the store was closed under it).
-    store = ColdStore.open(tmp_path / "s", TINY, flush_interval_s=None)
+    store = ColdStore.open(tmp_path / "s", TINY, flush_interval_s=None, native_commit=True)
     acked: list[list[bytes]] = [[] for _ in range(8)]
     errors: list = []
     started = threading.Barrier(9)
@@ -392,3 +390,9 @@ def test_close_while_native_waiters_are_blocked_returns_everyone(tmp_path):
         assert store.get_into(done, out) == [True] * len(done)
         assert (out == pages_for(done)).all()
         assert store.verify().ok
+
+
+def test_native_commit_refuses_a_fault_injecting_file_layer(tmp_path):
+    # its fsyncs would bypass the layer's counted and failing I/O points
+    with pytest.raises(InvalidInput):
+        ColdStore.open(tmp_path / "s", TINY, fs=SlowSyncFs(), flush_interval_s=None, native_commit=True)

@@ -1,8 +1,8 @@
-"""SIGKILL test (issue 3 acceptance): a child process writes under ``sync`` and ``group`` (the
-native committer) and prints each acknowledged key; it is killed at random moments, 20 times,
-on the same directory. After each kill every acknowledged key reads back bit-exact,
-acknowledged deletes stay deleted, and verify is clean. tools/soak_sigkill.py runs the same
-driver for 1000+ kills."""
+"""SIGKILL test (issue 3 acceptance): a child process writes under ``sync`` and ``group`` (every
+other round with the native committer) and prints each acknowledged key; it is killed at random
+moments, 20 times, on the same directory. After each kill every acknowledged key reads back
+bit-exact, acknowledged deletes stay deleted, and verify is clean. tools/soak_sigkill.py runs
+the same driver for 1000+ kills."""
 
 from __future__ import annotations
 
