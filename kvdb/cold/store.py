@@ -29,6 +29,10 @@ Invariants
         entry points into it; readers holding its fd keep reading (POSIX unlink semantics).
     C5  after any StorageIOError the store is failed: every call raises DbFailedError until it
         is closed and opened again; nothing acknowledged before the error is lost (C1, C2).
+    C6  replaying every surviving segment from the first (the index rebuild: remove index/,
+        reopen) yields exactly the live blocks and metadata: before a segment is deleted, its
+        DELETEs that an older surviving PUT still needs and its live metadata are appended
+        again (kvdb/cold/compact.py ``carry_forward``).
 
 Locks (in the order they may nest)
     ``_ckpt_lock``  one checkpoint or compaction at a time.
@@ -167,7 +171,8 @@ class ColdStore:
         self._seg_live: collections.Counter = collections.Counter()  # segment -> live record bytes
         self._live_bytes = 0
         self._counters = dict.fromkeys(PERSISTED_COUNTERS, 0)
-        self._counters.update(checkpoints=0, read_errors=0)
+        self._counters.update(checkpoints=0, read_errors=0, tombstones_carried=0, metadata_carried=0)
+        self._summaries: dict = {}  # sealed segment -> its SegmentSummary (segment GC, C6)
         self._gq_mu = threading.Lock()  # the group commit queue: _gq, _gq_busy
         self._gq: list[list] = []  # [items, wake-up lock, leads, error] of waiting group puts
         self._gq_busy = False  # a writer is leading the queue (or the lead is being handed on)
@@ -221,11 +226,22 @@ class ColdStore:
         except OSError as e:
             raise StorageIOError(f"recovery of {self.wal_dir} failed: {e}") from e
         self._index.write(batch)
-        if self._sealer is not None and seal_check is None:
-            if self.recovery.records_replayed or next(self._index.entries(), None) is not None:
+        if seal_check is None:
+            first = next(self._index.entries(), None)
+            if first is not None and first[1].flags & FLAG_SEALED:
+                # an index rebuilt from the log of an encrypted store: the log tells, and one
+                # record that authenticates proves the key
+                if self._sealer is None:
+                    raise InvalidInput(f"{self.path} is encrypted: open it with encryption_key_file=")
+                if self._read_entry(first[0], first[1], np.empty(self.page_bytes, np.uint8)) is not True:
+                    raise InvalidInput(f"the encryption key does not match the log of {self.path} "
+                                       "(or its first block's record is damaged: run `kvdb verify`)")
+            elif self._sealer is not None and (first is not None or self.recovery.records_replayed
+                                               and checkpoint is not None):
                 raise InvalidInput(f"{self.path} was created without encryption; it cannot be opened with a key")
-            self._index.write([(iv.SEAL_KEY, self._sealer.key_check())])
-            self._index.flush()  # the index WAL is off: make the key check survive a crash now
+            if self._sealer is not None:
+                self._index.write([(iv.SEAL_KEY, self._sealer.key_check())])
+                self._index.flush()  # the index WAL is off: make the key check survive a crash now
         self._writer = LogWriter(self._fs, self.wal_dir, segment_no=self.recovery.segment_no,
                                  offset=self.recovery.offset, next_lsn=self.recovery.next_lsn,
                                  segment_bytes=segment_bytes, on_durable=self._apply,
@@ -689,9 +705,14 @@ class ColdStore:
 
     def _checkpoint_locked_free(self) -> None:
         w = self._writer
-        with w.lock:
-            seg, off, last = w.segment_no, w.offset, w.next_lsn - 1
         with self.sticky_io("checkpoint"):
+            with w.lock:
+                active = w.segment_no
+            # chosen before the checkpoint's lsn is read: every record that made them dead (and
+            # every record carried out of them, C6) is then fsynced and under the checkpoint
+            dead = self._collectable_segments(active)
+            with w.lock:
+                seg, off, last = w.segment_no, w.offset, w.next_lsn - 1
             w.sync_to(last)
             self._apply(last)
             with self._stats_lock:
@@ -706,24 +727,33 @@ class ColdStore:
                 self._ckpt_log_bytes = 0
             self._ckpt_lsn = last
             self._count(checkpoints=1)
-            self._drop_dead_segments(seg)
+            self._delete_segments(dead)
 
-    def _drop_dead_segments(self, before: int) -> list[int]:
+    def _collectable_segments(self, before: int) -> list[int]:
+        """Sealed segments below ``before`` with no live block, not held for a log reader, whose
+        records a replay no longer needs once ``carry_forward`` has appended what it does (C6)."""
+        from kvdb.cold.compact import carry_forward
+
         floor = self._retention() if self._retention is not None else None
         with self._writer.lock:
             segments = list_segments(self._fs, self.wal_dir)
             dead = [s for s in segments if s < before and self._seg_live.get(s, 0) <= 0]
             if floor is not None:  # kept for a log reader that has not confirmed them yet
                 dead = [s for s in dead if (self._last_lsn_of(s, segments) or floor + 1) <= floor]
-            for s in dead:
+        return carry_forward(self, dead, segments) if dead else []
+
+    def _delete_segments(self, dead: list[int]) -> None:
+        """C4: called with a flushed checkpoint beyond ``dead``."""
+        with self._writer.lock:
+            for s in dead:  # sealed and wholly dead: nothing can make them live again
                 self._seg_live.pop(s, None)
+                self._summaries.pop(s, None)
         for s in dead:
             self._retire_fd(s)
             self._fs.unlink(os.path.join(self.wal_dir, segment_name(s)))
         if dead:
             self._fs.sync_dir(self.wal_dir)
             self._count(segments_deleted=len(dead))
-        return dead
 
     def _flush_loop(self, interval_s: float) -> None:
         while not self._stop.wait(interval_s):
