@@ -147,7 +147,9 @@ void kvdb_copy_pages(uint8_t *dst, const int64_t *dst_frames, const uint8_t *src
  *      shared one could hand the error to one worker and a clean 0 to another.
  *   K3 workers open the active segment by path themselves and reopen it when the writer moves
  *      to a new segment (kvdb_committer_set_path); the writer fsyncs and publishes the old
- *      segment before it moves, so a worker never needs an old segment again.
+ *      segment before it moves, so a worker never needs an old segment again. (An idle worker
+ *      keeps its file of the old segment open until its next fsync: a segment deleted
+ *      meanwhile frees its disk space only then.)
  *   K4 stop drains: records of every waiter that arrived before it are fsynced before the
  *      workers exit; a wait after that returns KVDB_COMMIT_CLOSED unless already durable.
  */
