@@ -161,6 +161,7 @@ class ColdStore:
         self.debug_on_index_flush = None  # tests: called after each checkpoint's index flush
         self._ckpt_lock = threading.Lock()
         self._apply_lock = threading.Lock()
+        self._durable_listeners: tuple = ()  # called with the new durable lsn (log shipping wakes its streams)
         self._fd_lock = threading.Lock()
         self._stats_lock = threading.Lock()
         self._fds: dict[int, list] = {}  # segment -> [fd, pins, retired]
@@ -685,6 +686,19 @@ class ColdStore:
                     p = self._pending.get(key)
                     if p is not None and p[0] == op_lsn:
                         del self._pending[key]
+        for fn in self._durable_listeners:  # outside the locks: a listener only wakes threads
+            fn(lsn)
+
+    def add_durable_listener(self, fn) -> None:
+        """Call ``fn(lsn)`` each time records up to ``lsn`` become durable and indexed (after
+        each group commit, sync put and background flush), in the thread that made them so.
+        ``fn`` must be quick and must not call back into the store."""
+        with self._apply_lock:
+            self._durable_listeners = (*self._durable_listeners, fn)
+
+    def remove_durable_listener(self, fn) -> None:
+        with self._apply_lock:
+            self._durable_listeners = tuple(f for f in self._durable_listeners if f != fn)  # bound methods: ==
 
     def flush(self) -> None:
         """Make every write so far durable (and indexed)."""

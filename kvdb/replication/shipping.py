@@ -79,10 +79,10 @@ from kvdb.wal.reader import map_file, scan_segment
 log = logging.getLogger("kvdb.replication")
 
 DEFAULT_BATCH_BYTES = 32 << 20
-#: an idle stream looks for newly durable records every POLL_MIN_S for POLL_HOT_S after the
-#: last record it sent, then doubles the interval up to POLL_MAX_S (a fixed 50 ms poll made
-#: every commit wait 25 ms on average). The cold tier has no durability listener that could
-#: wake the streams right after a group commit; ``notify()`` is where one would call in.
+#: With the leader's ColdStore at hand the streams are woken by its durability listener right
+#: after each group commit, sync put or flush (``notify``) and wait at most POLL_MAX_S between
+#: looks as a safety net. Without one (a bare LogSource) an idle stream looks every POLL_MIN_S
+#: for POLL_HOT_S after the last record it sent, then doubles the interval up to POLL_MAX_S.
 POLL_MIN_S = 0.001
 POLL_HOT_S = 0.1
 POLL_MAX_S = 0.05
@@ -312,8 +312,10 @@ class LogShipper:
         self.batch_bytes = int(batch_bytes)
         self.poll_min_s, self.poll_max_s = POLL_MIN_S, POLL_MAX_S  # idle streams (POLL_MIN_S)
         self.page_bytes = page_bytes
-        self._cond = threading.Condition()  # guards every _Follower field and _stopping
+        self._cond = threading.Condition()  # guards every _Follower field, _stopping and _wakes
         self._stopping = False
+        self._wakes = 0  # notify() calls so far: a stream waits only if none came since it looked
+        self._listening = False  # woken by the store's durability listener (no fast polling)
         slots = read_slots(self.state_dir) if self.state_dir is not None else {}
         self.log_id = _log_id(self.state_dir)
         self.followers = [_Follower(a, slots.get(a, 0)) for a in replicas]
@@ -323,12 +325,18 @@ class LogShipper:
     # -- lifecycle
 
     def start(self) -> LogShipper:
+        if self.store is not None and hasattr(self.store, "add_durable_listener"):
+            self.store.add_durable_listener(self._on_durable)
+            self._listening = True
         for f in self.followers:
             f.thread = threading.Thread(target=self._run, args=(f,), name=f"kvdb-ship-{f.addr}", daemon=True)
             f.thread.start()
         return self
 
     def stop(self) -> None:
+        if self._listening:
+            self.store.remove_durable_listener(self._on_durable)
+            self._listening = False
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
@@ -343,7 +351,19 @@ class LogShipper:
     def notify(self) -> None:
         """New records were made durable: wake the streams (they also poll)."""
         with self._cond:
+            self._wakes += 1
             self._cond.notify_all()
+
+    def _on_durable(self, lsn: int) -> None:
+        self.notify()
+
+    def poll_only(self, interval_s: float) -> None:
+        """Stop listening to the store and look for new records every ``interval_s`` (the
+        polling baseline of ``kvdb bench replication``)."""
+        if self._listening:
+            self.store.remove_durable_listener(self._on_durable)
+            self._listening = False
+        self.poll_min_s = self.poll_max_s = interval_s
 
     def sync(self, timeout_s: float) -> int:
         """Wait until every follower confirmed everything durable now; returns that lsn."""
@@ -535,12 +555,13 @@ class LogShipper:
         in_flight: deque[int] = deque()
         half = int(region["bytes"]) // 2 if region else self.batch_bytes
         batch_no = 0
-        idle_s = self.poll_min_s
+        idle_s = self.poll_max_s if self._listening else self.poll_min_s
         last_sent = time.monotonic()
         while True:
             with self._cond:
                 if self._stopping:
                     return
+                wakes = self._wakes  # read before durable_lsn: a commit after it is not missed
                 if f.reseed_asked:
                     raise ReplicationError(f"stream to {f.addr} restarted for a re-seed")
             sent = f.sent_lsn
@@ -553,7 +574,8 @@ class LogShipper:
                 batch_no += 1
                 self._set(f, sent_lsn=recs[-1][0])
                 in_flight.append(recs[-1][0])
-                idle_s, last_sent = self.poll_min_s, time.monotonic()  # writes are flowing
+                if not self._listening:
+                    idle_s, last_sent = self.poll_min_s, time.monotonic()  # writes are flowing
                 continue
             if in_flight:
                 ack = ch.expect(MsgType.SHIP_ACK)
@@ -565,8 +587,8 @@ class LogShipper:
                 self._save_slots()
                 continue
             with self._cond:
-                if not self._stopping:
-                    self._cond.wait(idle_s)  # notify() (sync_replicas) wakes it at once
+                if not self._stopping and self._wakes == wakes:
+                    self._cond.wait(idle_s)  # notify() (a commit, sync_replicas) wakes it at once
             if time.monotonic() - last_sent > POLL_HOT_S:
                 idle_s = min(self.poll_max_s, 2 * idle_s)
 

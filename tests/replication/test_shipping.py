@@ -182,3 +182,31 @@ def test_dropped_connections_are_resumed_without_loss(netns, tmp_path):
     finally:
         srv.stop()
         fdb.close()
+
+
+def test_streams_are_woken_by_the_store_not_by_polling(netns, tmp_path, secret_file, nodes, monkeypatch):
+    # Scenario: the streams' safety-net poll is an hour, so only the store's durability
+    # listener can tell them about new records: a group put, a sync put and a write-back put
+    # made durable by flush() each reach the follower (shipper.sync does not wake streams).
+    # Once the shipper has stopped it is no longer a listener of the store.
+    from kvdb.replication import shipping
+
+    monkeypatch.setattr(shipping, "POLL_MIN_S", 3600.0)
+    monkeypatch.setattr(shipping, "POLL_MAX_S", 3600.0)
+    f = nodes(tmp_path / "f", secret_file, transport="tcp")
+    with _leader(tmp_path / "leader") as db:
+        rep = Replicator(db, replicas=[f.address], secret=SECRET, transport="tcp")
+        try:
+            rep.shipper.sync(30)  # the stream is connected and idle
+            for tag, durability in ((40, "group"), (41, "sync"), (42, "none")):
+                keys, blocks = make_keys(2, tag=tag), make_blocks(2, seed=tag)
+                db.put_blocks(keys, blocks, durability=durability, tier="disk")
+                if durability == "none":
+                    db.flush()
+                lsn = rep.shipper.sync(30)
+                assert lsn == db.cold_store.durable_lsn
+                assert _holds(f.address, keys, blocks)
+            assert rep.shipper._on_durable in db.cold_store._durable_listeners
+        finally:
+            rep.close()
+        assert db.cold_store._durable_listeners == ()
