@@ -384,6 +384,14 @@ void kvdb_committer_publish(kvdb_committer *c, int64_t lsn) {
         if (lsn > c->started) c->started = lsn;
         if (lsn > c->wanted) c->wanted = lsn;
         wake_waiters(c);
+        /* ``arrived`` counts waiters beyond ``started``, which just moved: count them again, or
+         * a stale count keeps the next arrival from signalling a worker asleep without a
+         * deadline (it would wait for a batch that never comes) */
+        int64_t beyond = 0;
+        for (commit_waiter *w = c->head; w; w = w->next)
+            if (w->lsn > c->started) beyond++;
+        c->arrived = beyond;
+        if (beyond) pthread_cond_signal(&c->work);
     }
     pthread_mutex_unlock(&c->mu);
 }

@@ -4,9 +4,11 @@ plus known-answer vectors that pin the meaning of the twins themselves."""
 from __future__ import annotations
 
 import errno
+import os
 import hashlib
 import struct
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -400,3 +402,40 @@ def test_committer_follows_the_active_segment(tmp_path):
 def test_committer_rejects_bad_worker_counts(tmp_path):
     with pytest.raises(OSError):
         native.Committer(str(tmp_path), 0, gather_s=0.0, num_workers=0)
+
+
+def test_committer_publish_recounts_waiters_so_the_next_one_is_not_stranded(tmp_path):
+    # Scenario (found in review): a batch of waiters makes the worker expect a batch as large
+    # next time. A waiter covered by a publish (the writer's own fsync) while the worker
+    # gathers must not stay counted as waiting, or the next lone waiter does not signal the
+    # worker, asleep without a deadline by then, and blocks until some other fsync. Every
+    # wait here must end by itself: a hang is the failure (the sleeps only order the steps).
+    path = tmp_path / "seg"
+    with open(path, "wb") as f:
+        f.write(os.urandom(1 << 20) * 32)  # dirty pages: the first fsync takes a while
+    c = native.Committer(str(path), 0, gather_s=0.3, num_workers=1)
+    got: dict = {}
+
+    def start(n: int) -> threading.Thread:
+        t = threading.Thread(target=lambda: got.__setitem__(n, c.wait(n)), daemon=True)
+        t.start()
+        return t
+
+    try:
+        first = start(1)
+        time.sleep(0.005)
+        batch = [start(n) for n in (2, 3, 4, 5)]  # arrive during the first fsync
+        for t in (first, *batch):
+            t.join(30)
+        t7 = start(7)
+        time.sleep(0.05)
+        c.publish(7)  # covers the gathering waiter
+        t7.join(30)
+        time.sleep(0.4)  # past the gather deadline
+        t8 = start(8)
+        t8.join(30)
+        assert not t8.is_alive(), "a lone waiter after a publish was never committed"
+        assert got[7] >= 7 and got[8] >= 8
+    finally:
+        c.publish(100)
+        c.stop()

@@ -503,6 +503,8 @@ class ColdStore:
             raise err
         if len(self._queue) >= APPLY_BATCH:
             self._apply(durable)
+        else:
+            self._notify_durable(durable)  # durable in the log, its index update still queued
 
     def _follow_done(self, req: list) -> None:
         if req[3] is not None:
@@ -686,13 +688,16 @@ class ColdStore:
                     p = self._pending.get(key)
                     if p is not None and p[0] == op_lsn:
                         del self._pending[key]
+        self._notify_durable(lsn)
+
+    def _notify_durable(self, lsn: int) -> None:
         for fn in self._durable_listeners:  # outside the locks: a listener only wakes threads
             fn(lsn)
 
     def add_durable_listener(self, fn) -> None:
-        """Call ``fn(lsn)`` each time records up to ``lsn`` become durable and indexed (after
-        each group commit, sync put and background flush), in the thread that made them so.
-        ``fn`` must be quick and must not call back into the store."""
+        """Call ``fn(lsn)`` each time the log is durable up to ``lsn`` (after each group commit,
+        sync put and background flush; the index may still be catching up), in the thread that
+        made it so. ``fn`` must be quick and must not call back into the store."""
         with self._apply_lock:
             self._durable_listeners = (*self._durable_listeners, fn)
 

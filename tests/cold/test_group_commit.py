@@ -396,3 +396,20 @@ def test_native_commit_refuses_a_fault_injecting_file_layer(tmp_path):
     # its fsyncs would bypass the layer's counted and failing I/O points
     with pytest.raises(InvalidInput):
         ColdStore.open(tmp_path / "s", TINY, fs=SlowSyncFs(), flush_interval_s=None, native_commit=True)
+
+
+@pytest.mark.parametrize("durability", ["group", "sync"])
+def test_durable_listeners_hear_every_commit_before_the_put_returns(tmp_path, durability):
+    # Scenario: with the background flusher off, a listener is told the durable lsn by each
+    # group or sync put before that put returns (log shipping wakes its streams on it; the
+    # index update of a group put may still be queued), and nothing after it is removed.
+    heard: list[int] = []
+    with ColdStore.open(tmp_path / "s", TINY, flush_interval_s=None) as store:
+        store.add_durable_listener(heard.append)
+        for i in range(3):
+            store.put([key(i)], pages_for([key(i)]), durability=durability)
+            assert heard and heard[-1] == store.durable_lsn, (i, heard)
+        n = len(heard)
+        store.remove_durable_listener(heard.append)
+        store.put([key(9)], pages_for([key(9)]), durability=durability)
+        assert len(heard) == n
