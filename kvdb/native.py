@@ -14,7 +14,7 @@ import sys
 
 import numpy as np
 
-from kvdb.errors import InvalidInput
+from kvdb.errors import InvalidInput, KvdbError
 from kvdb.types import KEY_BYTES
 
 if sys.byteorder != "little":  # token bytes and on-disk integers are little-endian
@@ -24,7 +24,8 @@ _lib = None
 _ffi = None
 if not os.environ.get("KVDB_PURE_PYTHON"):
     try:
-        from kvdb._native import ffi as _ffi, lib as _lib  # type: ignore[import-not-found]
+        from kvdb._native import ffi as _ffi  # type: ignore[import-not-found]
+        from kvdb._native import lib as _lib
     except ImportError:  # pragma: no cover - exercised only on broken installs
         _lib = None
 
@@ -216,5 +217,5 @@ class Committer:
         _lib.kvdb_committer_stop(self._c)
 
 
-class CommitterClosed(Exception):
+class CommitterClosed(KvdbError):
     """A wait on a Committer that stopped before the lsn became durable."""

@@ -8,6 +8,7 @@ import threading
 import pytest
 
 from kvdb.db.mover import Mover
+from kvdb.errors import KvdbError
 
 
 class Clock:
@@ -81,5 +82,5 @@ def test_jobs_and_timers_run_in_clock_order_and_shutdown_drops_timers():
     m.submit(seen.append, "queued")
     m.shutdown()
     assert seen[-1] == "queued" and t.cancelled
-    with pytest.raises(RuntimeError):
+    with pytest.raises(KvdbError, match="closed"):
         m.submit(seen.append, 1)

@@ -30,6 +30,8 @@ from collections import deque
 from concurrent.futures import Future
 from typing import Any, Callable
 
+from kvdb.errors import KvdbError
+
 MAX_SLEEP_S = 0.5
 
 
@@ -70,7 +72,7 @@ class Mover:
         fut: Future = Future()
         with self._cv:
             if self._closed:
-                raise RuntimeError("the mover is shut down")
+                raise KvdbError("the Db is closed: its background mover is shut down")
             self._jobs.append((self._clock(), fn, args, fut))
             self._cv.notify()
         return fut

@@ -46,7 +46,7 @@ import shutil
 import time
 from pathlib import Path
 
-from kvdb.errors import DbLockedError, KvdbError, ReplicationError
+from kvdb.errors import CorruptionError, DbLockedError, KvdbError, ReplicationError
 from kvdb.format import position
 from kvdb.wal.fs import OsFs, write_file_atomic
 
@@ -102,6 +102,9 @@ def finish_swap_locked(path) -> bool:
     for name in MOVED:
         src, cur = staging / name, path / name
         if not src.exists():
+            if not (aside / name).exists():  # moved in puts the old one aside first: the copy lost it
+                raise CorruptionError(f"{path}: the sealed re-seed copy has no {name}/ and it was never moved in; "
+                                      f"remove {rep / SWAP_MARKER} and {staging} to keep the old state")
             continue  # moved in before the crash
         if cur.exists():
             if (aside / name).exists():
@@ -158,6 +161,12 @@ class Staging:
         write_file_atomic(self.dir / "replication" / APPLIED_NAME,
                           position.encode_file(position.Position(1, self.snapshot_lsn, self.log_id)))
         self.db.close()
+        # the copy's directory entries (wal/, index/, their files, replication/) must be on disk
+        # before the marker says the copy is complete: fsync every directory of it, deepest first
+        fs = OsFs()
+        for root, _dirs, _files in sorted(os.walk(self.dir), key=lambda t: -t[0].count(os.sep)):
+            fs.sync_dir(root)
+        fs.sync_dir(str(self.path / "replication"))
         write_file_atomic(self.path / "replication" / SWAP_MARKER, b"reseed.new complete\n")
 
     def abort(self) -> None:

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import kvdb
-from kvdb.errors import ReplicationError
+from kvdb.errors import CorruptionError, ReplicationError
 from kvdb.format import position
 from kvdb.replication import NodeServer, Peer
 from kvdb.replication.replicator import Replicator
@@ -179,6 +179,28 @@ def test_finish_swap_rolls_forward_from_every_crash_point(tmp_path, finisher):
     else:
         _open(path).close()
     assert not (path / "replication" / STAGING_DIR).exists()
+    with _open(path) as db:
+        assert set(_blocks_of(db, ka + kb)) == set(ka)
+
+
+def test_a_sealed_copy_that_lost_its_log_is_refused_not_half_swapped(tmp_path):
+    # Scenario (review): the marker exists but the copy's wal/ is gone (a crash lost a
+    # directory entry). finish_swap must not move the copy's index/ over the old log: it
+    # raises CorruptionError naming what to remove, and the old state still opens whole.
+    ka, kb = make_keys(3, tag=75), make_keys(5, tag=76)
+    path = tmp_path / "f"
+    with _open(path) as db:
+        db.put_blocks(ka, make_blocks(3, seed=75), durability="group")
+    st = Staging(path, _reopen, page_bytes=PAGE, snapshot_lsn=42, log_id="cafe", records_total=5)
+    st.db.put_blocks(kb, make_blocks(5, seed=76), durability="none", tier="disk")
+    st.seal()
+    shutil.rmtree(path / "replication" / STAGING_DIR / "wal")
+    with pytest.raises(CorruptionError, match="wal"):
+        finish_swap(path)
+    with pytest.raises(CorruptionError, match="wal"):
+        _open(path)  # a plain open refuses the same way
+    os.remove(path / "replication" / SWAP_MARKER)
+    shutil.rmtree(path / "replication" / STAGING_DIR)
     with _open(path) as db:
         assert set(_blocks_of(db, ka + kb)) == set(ka)
 
