@@ -370,8 +370,10 @@ class LogSink:
             finish_swap(st.path)
             return self.reopen(st.path)
 
-        self.db = self.swap_db(swap, ch)
+        # under the apply lock: a batch of another stream already applying finishes (and
+        # persists its position) before the swap, never after it over the copy's position
         with self._lock:
+            self.db = self.swap_db(swap, ch)
             self._applied = self._load_applied()  # the copy's position file, swapped in
             self.counters["reseeds"] += 1
             self.last_reseed = {**st.progress, "state": "done"}
