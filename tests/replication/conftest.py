@@ -12,6 +12,7 @@ import json
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -60,6 +61,18 @@ def secret_file(tmp_path):
     p = tmp_path / "cluster.secret"
     p.write_bytes(SECRET + b"\n")
     return p
+
+
+def wait_for(cond, what: str, timeout_s: float = 30.0, poll_s: float = 0.02):
+    """``cond()``'s first truthy value, polled every ``poll_s``; AssertionError naming ``what``
+    after ``timeout_s`` (a hang guard, not a timing assertion)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        got = cond()
+        if got:
+            return got
+        time.sleep(poll_s)
+    raise AssertionError(f"timed out waiting for {what}")
 
 
 def make_blocks(n: int, seed: int) -> torch.Tensor:

@@ -21,23 +21,13 @@ from kvdb.replication.replicator import Replicator
 from kvdb.replication.shipping import SegmentLogSource
 from kvdb.replication.sink import LogSink
 
-from .conftest import LAYOUT, SECRET, make_blocks, make_keys
+from .conftest import LAYOUT, SECRET, make_blocks, make_keys, wait_for
 
 PAGE = LAYOUT.page_bytes
 
 
 def _open(path, **kw):
     return kvdb.open(path, layout=LAYOUT, model_id="test-model", host_bytes=64 * PAGE, **kw)
-
-
-def _wait(cond, what: str, timeout_s: float = 30.0):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        got = cond()
-        if got:
-            return got
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def _state(db, keys, names) -> tuple[dict, dict]:
@@ -217,9 +207,9 @@ def test_encrypted_log_ships_sealed_and_only_to_a_follower_with_the_key(netns, t
         db.put_blocks(keys, blocks, durability="group")
         db.cold_store.put_metadata("session", b"s", b"v")
         target = db.cold_store.durable_lsn
-        _wait(lambda: rep.status()["followers"][0]["confirmed_lsn"] >= target, "the follower with the key")
+        wait_for(lambda: rep.status()["followers"][0]["confirmed_lsn"] >= target, "the follower with the key")
         for i in (1, 2):
-            st = _wait(lambda i=i: "encrypted at rest" in (rep.status()["followers"][i]["error"] or "")
+            st = wait_for(lambda i=i: "encrypted at rest" in (rep.status()["followers"][i]["error"] or "")
                        and rep.status()["followers"][i], f"follower {i} refused")
             assert st["confirmed_lsn"] == 0
         for f in (plain, wrong):
@@ -229,7 +219,7 @@ def test_encrypted_log_ships_sealed_and_only_to_a_follower_with_the_key(netns, t
         assert torch.equal(out, blocks)
         assert good.db.cold_store.find_metadata("session", b"s") == b"v"
         rep.reseed(good.address)
-        _wait(lambda: rep.status()["followers"][0]["reseeds"] == 1, "the re-seed of the follower with the key")
+        wait_for(lambda: rep.status()["followers"][0]["reseeds"] == 1, "the re-seed of the follower with the key")
         out.zero_()
         good.srv.db.get_blocks(keys, out=out)
         assert torch.equal(out, blocks) and good.srv.sink.status()["reseeds"] == 1

@@ -5,6 +5,7 @@ a crash can interrupt it."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -29,7 +30,9 @@ from kvdb.replication.reseed import (
 )
 from kvdb.replication.sink import LogSink
 
-from .conftest import LAYOUT, SECRET, TRANSPORTS, make_blocks, make_keys
+from .conftest import LAYOUT, SECRET, TRANSPORTS, make_blocks, make_keys, wait_for
+
+_wait = functools.partial(wait_for, poll_s=0.002)  # fast: some tests catch a re-seed mid-copy
 
 PAGE = LAYOUT.page_bytes
 RECORD_BYTES = 53 + PAGE  # one raw PUT_BLOCK record
@@ -51,16 +54,6 @@ def _blocks_of(db, keys) -> dict:
             db.get_blocks([k], out=out)
             got[k] = out.clone()
     return got
-
-
-def _wait(cond, what: str, timeout_s: float = 30.0):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        got = cond()
-        if got:
-            return got
-        time.sleep(0.002)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 @pytest.mark.parametrize("kind", TRANSPORTS)
