@@ -36,6 +36,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import hmac
+import math
 import os
 import secrets
 import threading
@@ -115,6 +116,7 @@ class Db(SessionsMixin, LandingMixin, ReplicationMixin):
         replication_secret_file: str | os.PathLike | None = None,
         replication_transport: str | None = None,
         clock: Callable[[], float] | None = None,
+        session_idle_s: float | None = 3600.0,
     ) -> None:
         self.path = Path(path)
         # the time base of sessions, hints and planned moves (monotone seconds); injectable so
@@ -128,6 +130,12 @@ class Db(SessionsMixin, LandingMixin, ReplicationMixin):
         for name, v in (("host_bytes", host_bytes), ("device_bytes", device_bytes)):
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise InvalidInput(f"{name} must be an int >= 0, got {v!r}")
+        if session_idle_s is not None and (isinstance(session_idle_s, bool) or not isinstance(session_idle_s, (int, float))
+                                           or not math.isfinite(session_idle_s) or session_idle_s <= 0):
+            raise InvalidInput(f"session_idle_s must be a positive finite number of seconds or None (sessions never "
+                               f"expire), got {session_idle_s!r}")
+        # a session idle this long is ended by the mover (kvdb/db/sessions.py S1-S3)
+        self._session_idle_s: float | None = None if session_idle_s is None else float(session_idle_s)
         self.path.mkdir(parents=True, exist_ok=True)
         self._lock_fd = self._take_lock()
         try:

@@ -4,7 +4,9 @@ Two kinds of work, both run on the one thread (so moves never race each other):
 
 * **jobs** (``submit``): prefetch / offload / make-room requests; run in submission order.
 * **timers** (``schedule``): jobs with a due time on the Db's clock -- the planner's prefetch
-  deadlines (kvdb/db/sessions.py). A cancelled timer never runs.
+  deadlines and the sessions' idle-expiry checks (kvdb/db/sessions.py). A cancelled timer
+  never runs. Each timer has a ``kind`` (``"plan"``, ``"expiry"``) so that the stats can
+  count them apart (``count_timers``).
 
 Order: everything in clock order. A job counts as due when it was submitted; a timer once its
 due time has come; the earliest due goes first (a job submitted before a deadline runs before
@@ -38,12 +40,13 @@ MAX_SLEEP_S = 0.5
 class Timer:
     """A handle to a scheduled job; ``cancel()`` is idempotent and safe from any thread."""
 
-    __slots__ = ("args", "cancelled", "due_s", "fn", "ran")
+    __slots__ = ("args", "cancelled", "due_s", "fn", "kind", "ran")
 
-    def __init__(self, due_s: float, fn: Callable, args: tuple) -> None:
+    def __init__(self, due_s: float, fn: Callable, args: tuple, kind: str = "plan") -> None:
         self.due_s = due_s
         self.fn = fn
         self.args = args
+        self.kind = kind
         self.cancelled = False
         self.ran = False
 
@@ -77,8 +80,8 @@ class Mover:
             self._cv.notify()
         return fut
 
-    def schedule(self, due_s: float, fn: Callable, *args: Any) -> Timer:
-        t = Timer(float(due_s), fn, args)
+    def schedule(self, due_s: float, fn: Callable, *args: Any, kind: str = "plan") -> Timer:
+        t = Timer(float(due_s), fn, args, kind)
         with self._cv:
             if self._closed:
                 t.cancelled = True
@@ -102,6 +105,11 @@ class Mover:
     def num_timers(self) -> int:
         with self._cv:
             return sum(1 for _, _, t in self._timers if not t.cancelled)
+
+    def count_timers(self, kind: str) -> int:
+        """Pending (not cancelled, not yet run) timers of one kind."""
+        with self._cv:
+            return sum(1 for _, _, t in self._timers if not t.cancelled and t.kind == kind)
 
     def _next(self) -> tuple[Callable, tuple, Future | None] | None:
         with self._cv:

@@ -77,11 +77,30 @@ Shared prefixes (hint ``prefix_hash``)
       chains, so another tenant's prefix hash resolves to nothing and ``explain`` shows no
       residency for it.
 
+Idle expiry (``kvdb.open(..., session_idle_s=)``; None: never)
+  S1  a session's *deadline* is the latest of: its last activity (begin_session, call_started,
+      call_finished, hint, a lookup or put with its context: ``Session.last_active_s``) +
+      ``session_idle_s``; that activity + its latest ``ttl_s`` hint; and, for each agent in a
+      planned tool wait, its predicted return R + ``session_idle_s`` (the slack: idle time
+      counts from when the agent should have come back).
+  S2  at or after its deadline the session is ended exactly as ``end_session`` ends it
+      (``_end_session_locked``: timers cancelled, chains dropped, prefix pins released,
+      ``SessionEnded`` to the planner) and counted in ``expired_sessions``. Afterwards its id
+      is an ended one's: hint / end_session / explain raise NotFound (saying it expired),
+      call_started opens a fresh session.
+  S3  the cost: activity writes one timestamp (O(1), nothing else per put); a heap holds one
+      entry per open session (``(check_s, seq, sid)``; entries of ended sessions are dropped
+      lazily, the heap rebuilt when they outnumber the live ones), and one mover timer (kind
+      ``"expiry"``) is due at the heap's earliest check. The sweep re-checks a due entry: an
+      expired session ends, a live one goes back at its deadline. No thread of its own.
+
 Statistics: ``stats()["plans"]``; the live plan of a session: ``explain(session_id=...)``.
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import math
 import time
 from collections import deque
@@ -111,7 +130,7 @@ DISK_SLOWDOWN = DEFAULT_COST.host_bytes_per_s / DEFAULT_COST.disk_bytes_per_s  #
 STAT_NAMES = ("waits", "replanned_waits", "planned_offloads", "planned_offload_blocks", "planned_disk_offload_blocks",
               "planned_prefetches", "planned_prefetch_blocks", "planned_prefetch_hits", "planned_prefetch_misses",
               "early_calls", "late_prefetches", "cancelled_prefetches", "prefixes_resolved", "prefixes_unknown",
-              "prefix_prefetch_blocks")
+              "prefix_prefetch_blocks", "expired_sessions")
 
 
 @dataclass(eq=False)  # identity: plans live in sets
@@ -161,6 +180,12 @@ class SessionsMixin:
         self._s_per_page = page / DEFAULT_COST.host_bytes_per_s
         self._plan_stats = dict.fromkeys(STAT_NAMES, 0)
         self._plan_stats["planned_prefetch_s"] = 0.0
+        # idle expiry (S1-S3); _session_idle_s is set by Db.__init__ before _open
+        self._idle_heap: list[tuple[float, int, str]] = []  # (check at, seq, session id)
+        self._idle_entry: dict[str, int] = {}  # open session -> seq of its live heap entry
+        self._idle_seq = itertools.count()
+        self._idle_timer: Any = None  # the mover timer of the next sweep
+        self._idle_stale = 0  # heap entries of sessions that ended before their check
 
     # ------------------------------------------------------------------ engine API
 
@@ -172,6 +197,7 @@ class SessionsMixin:
         self._check()
         with self._lock:
             self.planner.begin_session(session_id, tenant=tenant, workflow=workflow, now_s=now_s)
+            self._watch_idle(session_id)
             return self._hint_locked(session_id, None, dict(hints or {}), now_s) if hints else []
 
     def hint(self, session_id: str, *, agent_id: str | None = None, now_s: float | None = None,
@@ -212,6 +238,8 @@ class SessionsMixin:
                                                       hints=hints, now_s=now_s)
             if session_id is None:
                 return ctx, outcomes
+            if session_id not in self._idle_entry:  # opened implicitly
+                self._watch_idle(session_id)
             outcomes = self._apply_prefix_outcomes(session_id, outcomes)
             agents = self._agents.setdefault(session_id, {})
             plan = agents.get(ctx.agent_id)
@@ -261,15 +289,85 @@ class SessionsMixin:
         self._check()
         with self._lock:
             self.planner.end_session(session_id, now_s=now_s)
-            for plan in self._agents.pop(session_id, {}).values():
-                self._waiting.discard(plan)
-                if plan.timer is not None and plan.timer.cancel() and not plan.prefetched:
-                    self._plan_stats["cancelled_prefetches"] += 1
-                plan.gen += 1
-                self._set_chain(plan, [])
-            self._last_agent.pop(session_id, None)
-            self._pending_prefix.pop(session_id, None)
-            self._drop_prefix_interest(session_id)
+            self._end_session_locked(session_id)
+
+    def _end_session_locked(self, session_id: str) -> None:
+        """What the Db drops when a session ends or expires (S2); the planner has ended it."""
+        if self._idle_entry.pop(session_id, None) is not None:
+            self._idle_stale += 1
+        for plan in self._agents.pop(session_id, {}).values():
+            self._waiting.discard(plan)
+            if plan.timer is not None and plan.timer.cancel() and not plan.prefetched:
+                self._plan_stats["cancelled_prefetches"] += 1
+            plan.gen += 1
+            self._set_chain(plan, [])
+        self._last_agent.pop(session_id, None)
+        self._pending_prefix.pop(session_id, None)
+        self._drop_prefix_interest(session_id)
+
+    # ------------------------------------------------------------------ idle expiry (S1-S3)
+
+    def _watch_idle(self, sid: str) -> None:
+        """A session opened: its first check is one idle period from now (S3)."""
+        idle = self._session_idle_s
+        if idle is None:
+            return
+        seq = next(self._idle_seq)
+        self._idle_entry[sid] = seq
+        heapq.heappush(self._idle_heap, (self._clock() + idle, seq, sid))
+        self._arm_idle_timer()
+
+    def _arm_idle_timer(self) -> None:
+        heap = self._idle_heap
+        if self._idle_stale > 64 and self._idle_stale > len(self._idle_entry):  # S3: drop ended sessions' entries
+            live = self._idle_entry
+            self._idle_heap = heap = [e for e in heap if live.get(e[2]) == e[1]]
+            heapq.heapify(heap)
+            self._idle_stale = 0
+        t = self._idle_timer
+        if not heap:
+            return
+        if t is not None and not t.ran and not t.cancelled and t.due_s <= heap[0][0]:
+            return
+        if t is not None:
+            t.cancel()
+        self._idle_timer = self._mover.schedule(heap[0][0], self._expiry_job, kind="expiry")
+
+    def _session_deadline(self, sid: str, s) -> float:
+        """S1: when the session expires if nothing happens meanwhile (the Db's time base)."""
+        idle = self._session_idle_s
+        d = s.last_active_s + max(idle, s.ttl_s or 0.0)
+        for plan in self._agents.get(sid, {}).values():
+            if plan.return_s is not None:
+                d = max(d, plan.return_s + idle)
+        return d
+
+    def _expiry_job(self) -> None:
+        """The sweep (a mover timer): end each due session that has stayed idle (S2)."""
+        with self._lock:
+            if self._state != "open":
+                return
+            now = self._clock()
+            heap, live = self._idle_heap, self._idle_entry
+            while heap and heap[0][0] <= now:
+                _, seq, sid = heapq.heappop(heap)
+                if live.get(sid) != seq:
+                    self._idle_stale -= 1
+                    continue
+                s = self.planner.find_session(sid)
+                if s is None:  # cannot happen: the Db ends the planner's sessions itself
+                    del live[sid]
+                    continue
+                deadline = self._session_deadline(sid, s)
+                if deadline > now:
+                    heapq.heappush(heap, (deadline, seq, sid))
+                    continue
+                self.planner.expire_session(sid, now_s=now)
+                self._end_session_locked(sid)
+                self._idle_stale -= 1  # its entry is already out of the heap
+                self._plan_stats["expired_sessions"] += 1
+            self._idle_timer = None
+            self._arm_idle_timer()
 
     def run_plans(self) -> None:
         """Run every planned move due by now on the mover and wait for it. The mover runs them
@@ -298,6 +396,9 @@ class SessionsMixin:
         if not isinstance(ctx, CallContext) or ctx.session_id is None:
             return
         with self._lock:
+            s = self.planner.find_session(ctx.session_id)
+            if s is not None:
+                s.last_active_s = self._clock()  # S1/S3: the one thing a put does for expiry
             plan = self._agents.get(ctx.session_id, {}).get(ctx.agent_id)
             if plan is None or plan.ctx is not ctx:
                 return
@@ -644,7 +745,7 @@ class SessionsMixin:
         out = dict(self._plan_stats)
         out["planned_prefetch_s"] = round(out["planned_prefetch_s"], 6)
         out["waiting_agents"] = len(self._waiting)
-        out["timers"] = self._mover.num_timers
+        out["timers"] = self._mover.count_timers("plan")
         out["failed_moves"] = self._mover.failed_timers  # a planned move that raised (see mover.last_error)
         out["prefixes"] = len(self._prefixes)
         out["prefix_pinned_pages"] = sum(self._prefix_pinned)

@@ -14,8 +14,16 @@ replay exercises this code path):
 Session states (a session id can be reused after it ended)::
 
     (unknown) --begin_session--> OPEN --end_session--> (unknown)
+                                  |
+                                  +--expire_session (idle: the Db's mover, kvdb/db/sessions.py)--> (unknown)
     call_started / call_finished / hint on an unknown id: NotFound, except call_started,
     which opens the session implicitly (Mooncake traces carry no session lines).
+    An expired session is an ended one (the same ``SessionEnded`` event); the planner only
+    remembers the last ``EXPIRED_KEPT`` expired ids so that NotFound can say why.
+
+Activity: ``Session.last_active_s`` is the time of the session's latest begin_session /
+call_started / call_finished / hint (and, set by the Db through ``touch``, of a lookup or
+put in its context); ``Session.ttl_s`` its latest usable ``ttl_s`` hint, session or call.
 
 Every method takes ``now_s`` (seconds, monotone); None reads the planner's clock.
 """
@@ -23,6 +31,7 @@ Every method takes ``now_s`` (seconds, monotone); None reads the planner's clock
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
@@ -31,6 +40,8 @@ from kvdb.errors import InvalidInput, NotFound
 from kvdb.planner.events import CallFinished, CallStarted, HintGiven, SessionBegan, SessionEnded
 from kvdb.planner.hints import HintOutcome, check_hints
 from kvdb.planner.workflow import Workflow
+
+EXPIRED_KEPT = 1024  # expired ids remembered for NotFound's message (a bounded record, not state)
 
 
 @dataclass
@@ -50,6 +61,8 @@ class Session:
     opened_s: float
     hints: dict[str, Any] = field(default_factory=dict)  # latest accepted/clipped values
     num_calls: int = 0
+    last_active_s: float = 0.0  # latest activity (see the module doc), on the planner's time base
+    ttl_s: float | None = None  # latest usable ttl_s hint (session or call), seconds
 
 
 def as_workflow(session_id: str, workflow: Any) -> Workflow | None:
@@ -70,6 +83,7 @@ class Planner:
         self._replacers: list[Replacer] = list(replacers)
         self._clock = clock
         self._sessions: dict[str, Session] = {}
+        self._expired: OrderedDict[str, float] = OrderedDict()  # id -> when it expired (EXPIRED_KEPT)
         self.outcome_counts = {"accepted": 0, "clipped": 0, "rejected": 0}
 
     def attach(self, replacer: Replacer) -> None:
@@ -90,7 +104,19 @@ class Planner:
         try:
             return self._sessions[session_id]
         except KeyError:
-            raise NotFound(f"no open session {session_id!r}; call begin_session first") from None
+            pass
+        if session_id in self._expired:
+            raise NotFound(f"session {session_id!r} expired (idle past session_idle_s) and was ended at "
+                           f"{self._expired[session_id]:.3f} s; begin_session (or call_started) opens it afresh")
+        raise NotFound(f"no open session {session_id!r}; call begin_session first")
+
+    def is_expired(self, session_id: str) -> bool:
+        """The id's latest session expired (among the last ``EXPIRED_KEPT``) and none is open."""
+        return session_id in self._expired and session_id not in self._sessions
+
+    def touch(self, session: Session, now_s: float | None = None) -> None:
+        """A lookup or put in the session's context: activity (O(1))."""
+        session.last_active_s = self._now(now_s)
 
     def find_session(self, session_id: str) -> Session | None:
         return self._sessions.get(session_id)
@@ -107,8 +133,9 @@ class Planner:
             raise InvalidInput(f"session {session_id!r} is already open; end it before reusing the id")
         wf = as_workflow(session_id, workflow)
         now = self._now(now_s)
-        s = Session(session_id, tenant, wf, now)
+        s = Session(session_id, tenant, wf, now, last_active_s=now)
         self._sessions[session_id] = s
+        self._expired.pop(session_id, None)
         self._emit(SessionBegan(session_id, now, tenant, wf))
         return s
 
@@ -134,8 +161,11 @@ class Planner:
         usable, outcomes = check_hints(hints)
         self._record(outcomes)
         s.hints.update(usable)
+        s.last_active_s = now = self._now(now_s)
+        if "ttl_s" in usable:
+            s.ttl_s = float(usable["ttl_s"])
         if usable:
-            self._emit(HintGiven(session_id, self._now(now_s), usable))
+            self._emit(HintGiven(session_id, now, usable))
         return outcomes
 
     def call_started(self, session_id: str | None, *, node_id: str | None = None, agent_id: str | None = None,
@@ -151,6 +181,9 @@ class Planner:
             if s is None:
                 s = self.begin_session(session_id, tenant=tenant, now_s=now)
             s.num_calls += 1
+            s.last_active_s = now
+            if "ttl_s" in usable:
+                s.ttl_s = float(usable["ttl_s"])
             if node_id is not None and s.workflow is not None:
                 if node_id not in s.workflow.nodes:
                     raise InvalidInput(f"session {session_id!r}: node {node_id!r} is not in its declared workflow")
@@ -167,6 +200,10 @@ class Planner:
         now = self._now(now_s)
         if session_id is not None:
             s = self._sessions.get(session_id)
+            if s is not None:
+                s.last_active_s = now
+                if hints and "ttl_s" in hints:
+                    s.ttl_s = float(hints["ttl_s"])
             if s is not None and node_id is not None and s.workflow is not None and node_id in s.workflow.nodes:
                 s.workflow.mark_done(node_id, now)
         self._emit(CallFinished(session_id, now, node_id, agent_id, dict(hints or {})))
@@ -175,6 +212,14 @@ class Planner:
         self.get_session(session_id)
         del self._sessions[session_id]
         self._emit(SessionEnded(session_id, self._now(now_s)))
+
+    def expire_session(self, session_id: str, *, now_s: float | None = None) -> None:
+        """End an idle session exactly as ``end_session`` does, and remember that it expired."""
+        self.end_session(session_id, now_s=now_s)
+        self._expired[session_id] = self._now(now_s)
+        self._expired.move_to_end(session_id)
+        while len(self._expired) > EXPIRED_KEPT:
+            self._expired.popitem(last=False)
 
     def explain(self, workflow: Mapping[str, Any]) -> dict[str, Any]:
         """The EXPLAIN tree for a workflow spec (kvdb.planner.explain documents it)."""

@@ -1,0 +1,222 @@
+"""Idle expiry of sessions (kvdb/db/sessions.py S1-S3): a session nobody ends is ended by the
+Db's mover once idle, exactly as end_session ends it. Time is an injected clock."""
+
+from __future__ import annotations
+
+import math
+import tempfile
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from test_engine_plan import LAYOUT, PAGE, Clock, agent_call, blocks_for, tiers
+
+import kvdb
+from kvdb.errors import InvalidInput, NotFound
+
+IDLE_S = 100.0
+
+
+def open_db(path, clock, device_pages=6, host_pages=8, session_idle_s=IDLE_S):
+    return kvdb.open(path, layout=LAYOUT, model_id="test-model", host_bytes=host_pages * PAGE,
+                     device_bytes=device_pages * PAGE, device="cpu", disk_bytes=0, clock=clock,
+                     session_idle_s=session_idle_s)
+
+
+def is_open(db, sid) -> bool:
+    try:
+        db.explain(session_id=sid)
+    except NotFound:
+        return False
+    return True
+
+
+def test_idle_session_expires_and_releases_its_prefix_pins_and_plans(tmp_path):
+    # Scenario (S1, S2, X1): s1 names a stored 3-block chain as its shared prefix (pinned on
+    # the device) and its agent waits 10 s on a tool (a prefetch timer). Nobody ends s1. Just
+    # before an idle period has passed, everything holds; at it, the mover ends s1: the pins,
+    # the prefix, the wait and its timer are gone, and device pressure now evicts the prefix.
+    clock = Clock()
+    with open_db(tmp_path, clock) as db:
+        keys = db.block_keys(list(range(20)), tenant="acme")
+        db.begin_session("s0", tenant="acme")
+        agent_call(db, "s0", "a", keys, blocks_for(5, 5))
+        db.end_session("s0")
+        db.begin_session("s1", tenant="acme", hints={"prefix_hash": keys[2].hex()})
+        mine = db.block_keys(list(range(300, 308)), tenant="acme")
+        agent_call(db, "s1", "a", mine, blocks_for(2, 6), wait_s=10.0)
+        t0 = clock.t  # the last activity; the wait returns at t0 + 10
+        db.run_plans()
+        p = db.stats()["plans"]
+        assert (p["prefix_pinned_pages"], p["prefixes"], p["waiting_agents"], p["expired_sessions"]) == (3, 1, 1, 0)
+
+        for dt in (IDLE_S, IDLE_S + 10.0 - 0.01):  # idle, but the wait's return + IDLE_S is ahead
+            clock.t = t0 + dt
+            db.run_plans()
+            assert is_open(db, "s1") and db.stats()["sessions"] == 1
+        clock.t = t0 + IDLE_S + 10.0
+        db.run_plans()
+        st_ = db.stats()
+        p = st_["plans"]
+        assert st_["sessions"] == 0 and p["expired_sessions"] == 1
+        assert (p["prefix_pinned_pages"], p["prefixes"], p["waiting_agents"], p["timers"]) == (0, 0, 0, 0)
+        assert st_["tiers"]["device"]["pinned_pages"] == 0
+        with pytest.raises(NotFound, match="expired"):
+            db.explain(session_id="s1")
+        with pytest.raises(NotFound, match="expired"):
+            db.hint("s1", ttl_s=5)
+        with pytest.raises(NotFound, match="expired"):
+            db.end_session("s1")
+
+        assert tiers(db, keys[:3]) == ["device"] * 3
+        other = db.block_keys(list(range(500, 524)), tenant="acme")
+        db.put_blocks(other, blocks_for(6, 7))  # fills the device: unpinned, the prefix goes down
+        assert "device" not in tiers(db, keys[:3])
+
+
+def test_activity_keeps_a_session_alive_puts_and_lookups_included(tmp_path):
+    # Scenario (S1): every kind of activity restarts the idle period: a hint, a call's end,
+    # and a put or a lookup with the call's context (without any other call).
+    clock = Clock()
+    with open_db(tmp_path, clock) as db:
+        keys = db.block_keys(list(range(16)), tenant="t")
+        db.begin_session("s", tenant="t")
+        ctx, _ = db.call_started("s", agent_id="a")
+        clock.t += 90.0
+        db.put_blocks(keys[:2], blocks_for(2, 1), positions=[0, 1], ctx=ctx)
+        clock.t += 90.0  # 180 s since the call started, 90 s since the put
+        db.run_plans()
+        assert is_open(db, "s")
+        assert db.match_prefix(keys, ctx=ctx) == 2
+        clock.t += 90.0
+        db.run_plans()
+        assert is_open(db, "s")
+        db.call_finished("s", agent_id="a")
+        clock.t += 90.0
+        db.run_plans()
+        db.hint("s", priority=1)
+        clock.t += 99.0
+        db.run_plans()
+        assert is_open(db, "s") and db.stats()["plans"]["expired_sessions"] == 0
+        clock.t += 1.0
+        db.run_plans()
+        assert not is_open(db, "s") and db.stats()["plans"]["expired_sessions"] == 1
+        # an expired id is an ended one: call_started opens it afresh
+        ctx, _ = db.call_started("s", agent_id="a", tenant="t")
+        assert is_open(db, "s") and db.explain(session_id="s")["agents"][0]["chain_blocks"] == 0
+        assert db.match_prefix(keys, ctx=ctx) == 2  # the blocks are the cache's, not the session's
+
+
+def test_tool_wait_longer_than_idle_keeps_the_session_until_return_plus_slack(tmp_path):
+    # Scenario (S1): the agent waits 500 s on a tool; idle is 100 s. The session lives until
+    # the predicted return + one idle period, not one idle period after the call.
+    clock = Clock()
+    with open_db(tmp_path, clock) as db:
+        keys = db.block_keys(list(range(8)), tenant="t")
+        db.begin_session("s", tenant="t")
+        agent_call(db, "s", "a", keys, blocks_for(2, 3), wait_s=500.0)
+        t0 = clock.t
+        for dt in (IDLE_S, 500.0, 500.0 + IDLE_S - 0.01):
+            clock.t = t0 + dt
+            db.run_plans()
+            assert is_open(db, "s"), dt
+        assert db.explain(session_id="s")["agents"][0]["state"] == "waiting"
+        clock.t = t0 + 500.0 + IDLE_S
+        db.run_plans()
+        assert not is_open(db, "s") and db.stats()["plans"]["expired_sessions"] == 1
+
+
+def test_ttl_hint_extends_the_session(tmp_path):
+    # Scenario (S1): ttl_s=300 on a session hint (or on a call) stretches its idle period;
+    # a session without one expires after the idle period.
+    clock = Clock()
+    with open_db(tmp_path, clock) as db:
+        db.begin_session("ttl", tenant="t")
+        assert db.hint("ttl", ttl_s=300.0)[0].status == "accepted"
+        db.call_started("call-ttl", agent_id="a", tenant="t", hints={"ttl_s": 250.0})
+        db.begin_session("plain", tenant="t")
+        clock.t += IDLE_S
+        db.run_plans()
+        assert is_open(db, "ttl") and is_open(db, "call-ttl") and not is_open(db, "plain")
+        clock.t += 150.0 - 0.01
+        db.run_plans()
+        assert is_open(db, "call-ttl")
+        clock.t += 0.01
+        db.run_plans()
+        assert not is_open(db, "call-ttl") and is_open(db, "ttl")
+        clock.t += 50.0
+        db.run_plans()
+        assert not is_open(db, "ttl") and db.stats()["plans"]["expired_sessions"] == 3
+
+
+@pytest.mark.parametrize("bad", [0, 0.0, -1.0, math.inf, math.nan, "60", True])
+def test_bad_session_idle_values_raise(tmp_path, bad):
+    with pytest.raises(InvalidInput, match="session_idle_s"):
+        open_db(tmp_path, Clock(), session_idle_s=bad)
+
+
+def test_none_never_expires_and_ints_are_seconds(tmp_path):
+    clock = Clock()
+    with open_db(tmp_path / "never", clock, session_idle_s=None) as db:
+        db.begin_session("s")
+        clock.t += 1e9
+        db.run_plans()
+        assert is_open(db, "s") and db.stats()["plans"]["expired_sessions"] == 0
+    with open_db(tmp_path / "int", clock, session_idle_s=60) as db:
+        db.begin_session("s")
+        clock.t += 60
+        db.run_plans()
+        assert not is_open(db, "s")
+
+
+# (op, session index, seconds the clock moves first)
+OPS = st.lists(st.tuples(st.sampled_from(["begin", "call", "call", "hint", "end", "wait", "wait"]), st.integers(0, 1),
+                         st.sampled_from([0.0, 1.0, 40.0, 99.0, 100.0, 150.0, 200.0])), min_size=3, max_size=25)
+
+
+@given(OPS)
+def test_expiry_matches_a_model(ops):
+    # Property (S1, S2): after any run of activity, ends and clock moves, the open sessions
+    # are exactly those whose deadline (last activity + idle, or a wait's return + idle) is
+    # still ahead; an expired one behaves as an ended one.
+    clock = Clock()
+    model: dict[str, float] = {}  # open session -> deadline
+    expired = 0
+    with tempfile.TemporaryDirectory() as d, open_db(d, clock, device_pages=0) as db:
+        for op, i, dt in ops:
+            sid = f"s{i}"
+            clock.t += dt
+            db.run_plans()
+            gone = [s for s, dl in model.items() if dl <= clock.t]
+            expired += len(gone)
+            for s in gone:
+                del model[s]
+            now = clock.t
+            if op == "begin":
+                if sid in model:
+                    with pytest.raises(InvalidInput):
+                        db.begin_session(sid)
+                else:
+                    db.begin_session(sid)
+                    model[sid] = now + IDLE_S
+            elif op == "call":  # opens an unknown (ended, expired) session implicitly
+                db.call_started(sid, agent_id="a")
+                db.call_finished(sid, agent_id="a")
+                model[sid] = now + IDLE_S
+            elif op in ("hint", "end", "wait") and sid not in model:
+                with pytest.raises(NotFound):
+                    db.hint(sid, priority=1) if op != "end" else db.end_session(sid)
+            elif op == "hint":
+                db.hint(sid, priority=1)
+                model[sid] = max(model[sid], now + IDLE_S)
+            elif op == "end":
+                db.end_session(sid)
+                del model[sid]
+            elif db.explain(session_id=sid)["agents"]:  # a wait of its agent: 150 s from now
+                db.hint(sid, agent_id="a", expected_tool_duration_s=150.0)
+                model[sid] = max(model[sid], now + 150.0 + IDLE_S)
+            else:
+                db.hint(sid, priority=2)
+                model[sid] = max(model[sid], now + IDLE_S)
+            assert {s for s in ("s0", "s1") if is_open(db, s)} == set(model)
+            assert db.stats()["plans"]["expired_sessions"] == expired
