@@ -220,3 +220,21 @@ def test_expiry_matches_a_model(ops):
                 model[sid] = max(model[sid], now + IDLE_S)
             assert {s for s in ("s0", "s1") if is_open(db, s)} == set(model)
             assert db.stats()["plans"]["expired_sessions"] == expired
+
+
+def test_ended_sessions_leave_no_expiry_state_behind(tmp_path):
+    # Scenario (S3): 300 sessions open and end explicitly (the well-behaved client); the
+    # expiry heap drops their entries instead of keeping them for an idle period each, and
+    # the expiry timer is not counted among the plan's timers.
+    clock = Clock()
+    with open_db(tmp_path, clock) as db:
+        for i in range(300):
+            db.begin_session(f"s{i}")
+            db.end_session(f"s{i}")
+        db.begin_session("last")
+        assert len(db._idle_heap) <= 2 * 64 + 2 and db._idle_entry.keys() == {"last"}
+        assert db.stats()["plans"]["timers"] == 0 and db._mover.count_timers("expiry") == 1
+        clock.t += IDLE_S
+        db.run_plans()
+        assert not db._idle_heap and db.stats()["sessions"] == 0
+        assert db.stats()["plans"]["expired_sessions"] == 1
