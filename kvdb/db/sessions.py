@@ -92,7 +92,11 @@ Idle expiry (``kvdb.open(..., session_idle_s=)``; None: never)
       entry per open session (``(check_s, seq, sid)``; entries of ended sessions are dropped
       lazily, the heap rebuilt when they outnumber the live ones), and one mover timer (kind
       ``"expiry"``) is due at the heap's earliest check. The sweep re-checks a due entry: an
-      expired session ends, a live one goes back at its deadline. No thread of its own.
+      expired session ends, a live one goes back at its deadline but at most one idle period
+      ahead. Why that bound: an entry must never be later than the deadline, and a deadline
+      can drop (a wait ends early, a shorter wait or ttl_s replaces a longer one) -- but only
+      through activity, which puts it at least an idle period past the sweep. A long wait
+      costs one re-check per idle period. No thread of its own.
 
 Statistics: ``stats()["plans"]``; the live plan of a session: ``explain(session_id=...)``.
 """
@@ -359,8 +363,8 @@ class SessionsMixin:
                     del live[sid]
                     continue
                 deadline = self._session_deadline(sid, s)
-                if deadline > now:
-                    heapq.heappush(heap, (deadline, seq, sid))
+                if deadline > now:  # at most an idle period ahead: see S3
+                    heapq.heappush(heap, (min(deadline, now + self._session_idle_s), seq, sid))
                     continue
                 self.planner.expire_session(sid, now_s=now)
                 self._end_session_locked(sid)
