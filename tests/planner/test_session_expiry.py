@@ -126,6 +126,25 @@ def test_tool_wait_longer_than_idle_keeps_the_session_until_return_plus_slack(tm
         assert not is_open(db, "s") and db.stats()["plans"]["expired_sessions"] == 1
 
 
+def test_a_wait_cut_short_by_a_call_does_not_delay_expiry(tmp_path):
+    # Scenario (S3): a sweep at t0 + 100 finds the session alive only through its agent's
+    # 150 s wait (deadline t0 + 250). The agent's call then comes at t0 + 100 and ends the
+    # wait: the deadline drops to t0 + 200, and the session expires there, not at t0 + 250.
+    clock = Clock()
+    with open_db(tmp_path, clock) as db:
+        t0 = clock.t
+        db.call_started("s", agent_id="a")
+        db.call_finished("s", agent_id="a", hints={"expected_tool_duration_s": 150.0})
+        clock.t = t0 + IDLE_S
+        db.run_plans()
+        assert is_open(db, "s")
+        db.call_started("s", agent_id="a")
+        db.call_finished("s", agent_id="a")
+        clock.t = t0 + 2 * IDLE_S
+        db.run_plans()
+        assert not is_open(db, "s")
+
+
 def test_ttl_hint_extends_the_session(tmp_path):
     # Scenario (S1): ttl_s=300 on a session hint (or on a call) stretches its idle period;
     # a session without one expires after the idle period.
@@ -169,55 +188,61 @@ def test_none_never_expires_and_ints_are_seconds(tmp_path):
         assert not is_open(db, "s")
 
 
-# (op, session index, seconds the clock moves first)
-OPS = st.lists(st.tuples(st.sampled_from(["begin", "call", "call", "hint", "end", "wait", "wait"]), st.integers(0, 1),
-                         st.sampled_from([0.0, 1.0, 40.0, 99.0, 100.0, 150.0, 200.0])), min_size=3, max_size=25)
+# (op, session index, seconds the clock moves first, the op's duration: a tool wait or ttl_s)
+OPS = st.lists(st.tuples(st.sampled_from(["begin", "call", "call", "hint", "end", "wait", "wait", "ttl"]),
+                         st.integers(0, 1), st.sampled_from([0.0, 1.0, 40.0, 99.0, 100.0, 150.0, 200.0]),
+                         st.sampled_from([50.0, 150.0, 250.0])), min_size=3, max_size=25)
 
 
 @given(OPS)
 def test_expiry_matches_a_model(ops):
-    # Property (S1, S2): after any run of activity, ends and clock moves, the open sessions
-    # are exactly those whose deadline (last activity + idle, or a wait's return + idle) is
-    # still ahead; an expired one behaves as an ended one.
+    # Property (S1, S2): after any run of activity, ends, waits, ttl hints (each replacing
+    # the last, shorter ones too) and clock moves, the open sessions are exactly those whose
+    # deadline is still ahead; an expired one behaves as an ended one.
     clock = Clock()
-    model: dict[str, float] = {}  # open session -> deadline
+    model: dict[str, list] = {}  # open session -> [last activity, ttl_s, its agent's return]
     expired = 0
+
+    def deadline(last, ttl, ret):
+        return max(last + max(IDLE_S, ttl or 0.0), -1.0 if ret is None else ret + IDLE_S)
+
     with tempfile.TemporaryDirectory() as d, open_db(d, clock, device_pages=0) as db:
-        for op, i, dt in ops:
+        for op, i, dt, dur in ops:
             sid = f"s{i}"
             clock.t += dt
             db.run_plans()
-            gone = [s for s, dl in model.items() if dl <= clock.t]
+            gone = [s for s, m in model.items() if deadline(*m) <= clock.t]
             expired += len(gone)
             for s in gone:
                 del model[s]
             now = clock.t
+            m = model.get(sid)
             if op == "begin":
-                if sid in model:
+                if m is not None:
                     with pytest.raises(InvalidInput):
                         db.begin_session(sid)
                 else:
                     db.begin_session(sid)
-                    model[sid] = now + IDLE_S
-            elif op == "call":  # opens an unknown (ended, expired) session implicitly
+                    model[sid] = [now, None, None]
+            elif op == "call":  # opens an unknown (ended, expired) session implicitly; ends the wait
                 db.call_started(sid, agent_id="a")
                 db.call_finished(sid, agent_id="a")
-                model[sid] = now + IDLE_S
-            elif op in ("hint", "end", "wait") and sid not in model:
+                model[sid] = [now, None if m is None else m[1], None]
+            elif m is None:
                 with pytest.raises(NotFound):
                     db.hint(sid, priority=1) if op != "end" else db.end_session(sid)
-            elif op == "hint":
-                db.hint(sid, priority=1)
-                model[sid] = max(model[sid], now + IDLE_S)
             elif op == "end":
                 db.end_session(sid)
                 del model[sid]
-            elif db.explain(session_id=sid)["agents"]:  # a wait of its agent: 150 s from now
-                db.hint(sid, agent_id="a", expected_tool_duration_s=150.0)
-                model[sid] = max(model[sid], now + 150.0 + IDLE_S)
+            elif op == "ttl":
+                db.hint(sid, ttl_s=dur)
+                m[0], m[1] = now, dur
+            elif op == "wait" and db.explain(session_id=sid)["agents"]:  # its agent waits dur from now
+                db.hint(sid, agent_id="a", expected_tool_duration_s=dur)
+                m[0], m[2] = now, now + dur
             else:
-                db.hint(sid, priority=2)
-                model[sid] = max(model[sid], now + IDLE_S)
+                db.hint(sid, priority=1)
+                m[0] = now
             assert {s for s in ("s0", "s1") if is_open(db, s)} == set(model)
             assert db.stats()["plans"]["expired_sessions"] == expired
 
