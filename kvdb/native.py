@@ -22,6 +22,11 @@ if sys.byteorder != "little":  # token bytes and on-disk integers are little-end
 
 _lib = None
 _ffi = None
+try:
+    from crc32c import crc32c as _fast_crc
+except ImportError:  # pragma: no cover - a declared dependency; the C loop serves without it
+    _fast_crc = None
+
 if not os.environ.get("KVDB_PURE_PYTHON"):
     try:
         from kvdb._native import ffi as _ffi  # type: ignore[import-not-found]
@@ -55,12 +60,21 @@ def py_crc32c(data, value: int = 0) -> int:
     return crc ^ 0xFFFFFFFF
 
 
+#: buffers this long go to the ``crc32c`` package (hardware CRC-32C over three interleaved
+#: streams, GIL released: ~15 GB/s here against ~6 GB/s for the one-stream loop of
+#: kvdb_native.c, which keeps the short ones: record heads, slots)
+FAST_CRC_MIN_BYTES = 16384
+
+
 def crc32c(data, value: int = 0) -> int:
     """CRC-32C of any buffer (bytes, memoryview, numpy array, contiguous CPU tensor bytes)."""
     if _lib is None:
         return py_crc32c(data, value)
     buf = _ffi.from_buffer(data)
-    return _lib.kvdb_crc32c(value, buf, len(buf))
+    n = len(buf)
+    if n >= FAST_CRC_MIN_BYTES and _fast_crc is not None:
+        return _fast_crc(_ffi.buffer(buf, n), value)
+    return _lib.kvdb_crc32c(value, buf, n)
 
 
 # ---------------------------------------------------------------- hash chains
