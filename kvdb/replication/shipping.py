@@ -79,13 +79,10 @@ from kvdb.wal.reader import map_file, scan_segment
 log = logging.getLogger("kvdb.replication")
 
 DEFAULT_BATCH_BYTES = 32 << 20
-#: With the leader's ColdStore at hand the streams are woken by its durability listener right
-#: after each group commit, sync put or flush (``notify``) and wait at most POLL_MAX_S between
-#: looks as a safety net. Without one (a bare LogSource) an idle stream looks every POLL_MIN_S
-#: for POLL_HOT_S after the last record it sent, then doubles the interval up to POLL_MAX_S.
-POLL_MIN_S = 0.001
-POLL_HOT_S = 0.1
-POLL_MAX_S = 0.05
+#: The streams are woken by the leader store's durability listener right after each group
+#: commit, sync put or flush (``notify``); an idle stream looks again after POLL_S at the
+#: latest, as a safety net.
+POLL_S = 0.05
 APPLIED_NAME = "applied_lsn"
 SLOTS_NAME = "slots.json"
 LOG_ID_NAME = "log_id"
@@ -310,12 +307,12 @@ class LogShipper:
         self.state_dir = Path(state_dir) if state_dir is not None else None
         self._transport_arg = transport
         self.batch_bytes = int(batch_bytes)
-        self.poll_min_s, self.poll_max_s = POLL_MIN_S, POLL_MAX_S  # idle streams (POLL_MIN_S)
+        self.poll_s = POLL_S  # an idle stream's longest wait between looks
         self.page_bytes = page_bytes
         self._cond = threading.Condition()  # guards every _Follower field, _stopping and _wakes
         self._stopping = False
         self._wakes = 0  # notify() calls so far: a stream waits only if none came since it looked
-        self._listening = False  # woken by the store's durability listener (no fast polling)
+        self._listening = False  # registered as the store's durability listener
         slots = read_slots(self.state_dir) if self.state_dir is not None else {}
         self.log_id = _log_id(self.state_dir)
         self.followers = [_Follower(a, slots.get(a, 0)) for a in replicas]
@@ -363,7 +360,7 @@ class LogShipper:
         if self._listening:
             self.store.remove_durable_listener(self._on_durable)
             self._listening = False
-        self.poll_min_s = self.poll_max_s = interval_s
+        self.poll_s = interval_s
 
     def sync(self, timeout_s: float) -> int:
         """Wait until every follower confirmed everything durable now; returns that lsn."""
@@ -555,8 +552,6 @@ class LogShipper:
         in_flight: deque[int] = deque()
         half = int(region["bytes"]) // 2 if region else self.batch_bytes
         batch_no = 0
-        idle_s = self.poll_max_s if self._listening else self.poll_min_s
-        last_sent = time.monotonic()
         while True:
             with self._cond:
                 if self._stopping:
@@ -574,8 +569,6 @@ class LogShipper:
                 batch_no += 1
                 self._set(f, sent_lsn=recs[-1][0])
                 in_flight.append(recs[-1][0])
-                if not self._listening:
-                    idle_s, last_sent = self.poll_min_s, time.monotonic()  # writes are flowing
                 continue
             if in_flight:
                 ack = ch.expect(MsgType.SHIP_ACK)
@@ -588,9 +581,7 @@ class LogShipper:
                 continue
             with self._cond:
                 if not self._stopping and self._wakes == wakes:
-                    self._cond.wait(idle_s)  # notify() (a commit, sync_replicas) wakes it at once
-            if time.monotonic() - last_sent > POLL_HOT_S:
-                idle_s = min(self.poll_max_s, 2 * idle_s)
+                    self._cond.wait(self.poll_s)  # notify() (a commit, sync_replicas) wakes it at once
 
     def _send_batch(self, ch, transport, region, bufs, half, batch_no, recs, meta=None) -> None:
         total = sum(b.nbytes for _, b in recs)

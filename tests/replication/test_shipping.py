@@ -191,8 +191,7 @@ def test_streams_are_woken_by_the_store_not_by_polling(netns, tmp_path, secret_f
     # Once the shipper has stopped it is no longer a listener of the store.
     from kvdb.replication import shipping
 
-    monkeypatch.setattr(shipping, "POLL_MIN_S", 3600.0)
-    monkeypatch.setattr(shipping, "POLL_MAX_S", 3600.0)
+    monkeypatch.setattr(shipping, "POLL_S", 3600.0)
     f = nodes(tmp_path / "f", secret_file, transport="tcp")
     with _leader(tmp_path / "leader") as db:
         rep = Replicator(db, replicas=[f.address], secret=SECRET, transport="tcp")
