@@ -84,3 +84,55 @@ def test_jobs_and_timers_run_in_clock_order_and_shutdown_drops_timers():
     assert seen[-1] == "queued" and t.cancelled
     with pytest.raises(KvdbError, match="closed"):
         m.submit(seen.append, 1)
+
+
+def test_cancelled_timers_do_not_pile_up_in_the_heap():
+    # Scenario (I1): a planner reschedules one far-future deadline 10 000 times (cancel, then
+    # schedule again) next to 3 live timers; the heap never holds more than twice the live timers.
+    clock = Clock()
+    m = Mover(clock)
+    try:
+        seen = []
+        for i in range(3):
+            m.schedule(1e9 + i, seen.append, f"live{i}")
+        t = m.schedule(1e9, seen.append, "moving")
+        peak = 0
+        for i in range(10_000):
+            assert t.cancel()
+            assert t.cancel()  # idempotent: counted once
+            t = m.schedule(1e9 + 10 + i, seen.append, f"moving{i}")
+            peak = max(peak, m.debug_heap_entries)
+            assert m.debug_heap_entries <= 2 * m.num_timers
+        assert m.num_timers == 4 and m.count_timers("plan") == 4 and peak <= 8
+        # Cancel the moving one; the live ones run and nothing is left behind.
+        assert t.cancel()
+        clock.t = 2e9
+        m.run_due()
+        assert sorted(seen) == ["live0", "live1", "live2"] and m.num_timers == 0
+        assert m.debug_heap_entries == 0
+        # A timer that ran cannot be cancelled, and cancelling it leaves the count alone.
+        done = m.schedule(0.0, seen.append, "ran")
+        m.run_due()
+        assert not done.cancel() and m.num_timers == 0 and m.debug_heap_entries == 0
+    finally:
+        m.shutdown()
+
+
+def test_cancel_races_with_due_timers_and_the_count_stays_exact():
+    # Scenario: 2 000 due timers; another thread cancels every other one while the mover runs
+    # them. A cancel that returned True never ran, one that returned False did, and afterwards
+    # the heap is empty with no cancelled entry left counted.
+    clock = Clock()
+    m = Mover(clock)
+    try:
+        ran = set()
+        timers = [m.schedule(float(i % 7), ran.add, i) for i in range(2000)]
+        clock.t = 10.0
+        m.poke()
+        cancelled = {i for i, t in enumerate(timers) if i % 2 == 0 and t.cancel()}
+        m.run_due()
+        assert not (cancelled & ran)
+        assert ran | cancelled == set(range(2000))
+        assert m.num_timers == 0 and m.debug_heap_entries == 0
+    finally:
+        m.shutdown()

@@ -20,7 +20,15 @@ clock may be injected (tests, the demo's virtual clock) and jump without telling
 ``poke`` wakes it at once and ``run_due`` waits until everything due has run.
 
 Lock order: ``_cv`` guards the queue and the heap only and is never held while a job runs,
-so jobs may take the Db's lock (and submit or schedule more work) freely.
+so jobs may take the Db's lock (and submit or schedule more work) freely. ``Timer.cancel``
+takes ``_cv`` too (it is reentrant), so a cancel and the mover starting that timer cannot
+both win: a cancel that returns True means the job never runs.
+
+Cancelled timers (I1): a cancelled timer stays in the heap (removing from the middle of a heap
+is O(n)) but is counted; once the cancelled entries outnumber the live ones the heap is
+rebuilt without them (checked after a cancel and after a live timer leaves). So the heap holds
+at most ``2 * live`` entries however often the planner reschedules a deadline (rejected: popping cancelled entries only when they reach the
+top -- a far-future deadline rescheduled a million times left a million dead entries).
 """
 
 from __future__ import annotations
@@ -40,7 +48,7 @@ MAX_SLEEP_S = 0.5
 class Timer:
     """A handle to a scheduled job; ``cancel()`` is idempotent and safe from any thread."""
 
-    __slots__ = ("args", "cancelled", "due_s", "fn", "kind", "ran")
+    __slots__ = ("_mover", "args", "cancelled", "due_s", "fn", "kind", "ran")
 
     def __init__(self, due_s: float, fn: Callable, args: tuple, kind: str = "plan") -> None:
         self.due_s = due_s
@@ -49,13 +57,17 @@ class Timer:
         self.kind = kind
         self.cancelled = False
         self.ran = False
+        self._mover: Mover | None = None  # the mover whose heap holds this timer; None once out of it
 
     def cancel(self) -> bool:
         """True when the job will not run (it had not started)."""
-        if self.ran:
-            return False
-        self.cancelled = True
-        return True
+        mover = self._mover
+        if mover is None:
+            if self.ran:
+                return False
+            self.cancelled = True
+            return True
+        return mover._cancel(self)
 
 
 class Mover:
@@ -64,6 +76,7 @@ class Mover:
         self._cv = threading.Condition()
         self._jobs: deque[tuple[float, Callable, tuple, Future]] = deque()  # (submitted at, ...)
         self._timers: list[tuple[float, int, Timer]] = []
+        self._num_cancelled = 0  # cancelled timers still in _timers (I1)
         self._seq = itertools.count()
         self._closed = False
         self.failed_timers = 0  # timer jobs that raised (they have no waiter to tell)
@@ -86,6 +99,7 @@ class Mover:
             if self._closed:
                 t.cancelled = True
                 return t
+            t._mover = self
             heapq.heappush(self._timers, (t.due_s, next(self._seq), t))
             self._cv.notify()
         return t
@@ -101,10 +115,40 @@ class Mover:
             return  # called from a job: it cannot wait for itself
         self.submit(_nothing).result()
 
+    def _cancel(self, t: Timer) -> bool:
+        with self._cv:
+            if t.ran:
+                return False
+            if not t.cancelled:
+                t.cancelled = True
+                if t._mover is self:  # still in the heap
+                    self._num_cancelled += 1
+                    if 2 * self._num_cancelled > len(self._timers):
+                        self._compact()
+            return True
+
+    def _compact(self) -> None:
+        """Drop the cancelled timers from the heap (I1). Caller holds ``_cv``."""
+        live = []
+        for entry in self._timers:
+            if entry[2].cancelled:
+                entry[2]._mover = None
+            else:
+                live.append(entry)
+        heapq.heapify(live)
+        self._timers = live
+        self._num_cancelled = 0
+
     @property
     def num_timers(self) -> int:
         with self._cv:
-            return sum(1 for _, _, t in self._timers if not t.cancelled)
+            return len(self._timers) - self._num_cancelled
+
+    @property
+    def debug_heap_entries(self) -> int:
+        """Entries in the timer heap, cancelled ones included (I1 bounds it)."""
+        with self._cv:
+            return len(self._timers)
 
     def count_timers(self, kind: str) -> int:
         """Pending (not cancelled, not yet run) timers of one kind."""
@@ -115,12 +159,16 @@ class Mover:
         with self._cv:
             while True:
                 while self._timers and self._timers[0][2].cancelled:
-                    heapq.heappop(self._timers)
+                    heapq.heappop(self._timers)[2]._mover = None
+                    self._num_cancelled -= 1
                 now = self._clock()
                 if self._timers and self._timers[0][0] <= now and (not self._jobs
                                                                     or self._timers[0][0] <= self._jobs[0][0]):
                     t = heapq.heappop(self._timers)[2]
                     t.ran = True
+                    t._mover = None
+                    if 2 * self._num_cancelled > len(self._timers):
+                        self._compact()
                     return t.fn, t.args, None
                 if self._jobs:
                     return self._jobs.popleft()[1:]
@@ -157,7 +205,9 @@ class Mover:
             self._closed = True
             for _, _, t in self._timers:
                 t.cancelled = True
+                t._mover = None
             self._timers.clear()
+            self._num_cancelled = 0
             self._cv.notify()
         if wait and threading.current_thread() is not self._thread:
             self._thread.join()
