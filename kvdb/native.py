@@ -233,3 +233,18 @@ class Committer:
 
 class CommitterClosed(KvdbError):
     """A wait on a Committer that stopped before the lsn became durable."""
+
+
+def commit_ceiling(path: str, threads: int, n_per_thread: int, record_bytes: int) -> tuple[float, int]:
+    """Group commit with no Python in the way (native/kvdb_native.c "the commit ceiling"):
+    ``threads`` pthreads append ``n_per_thread`` records each to a new file at ``path`` and wait
+    for an fdatasync covering theirs (one gathering leader per fsync; threads = 1: write +
+    fdatasync per record). Returns (seconds, fsyncs); the file is removed."""
+    if _lib is None:
+        raise RuntimeError("the commit ceiling needs the compiled core (kvdb._native)")
+    secs = _ffi.new("double *")
+    fsyncs = _ffi.new("int64_t *")
+    r = _lib.kvdb_commit_ceiling(os.fsencode(path), threads, n_per_thread, record_bytes, secs, fsyncs)
+    if r < 0:
+        raise OSError(-r, f"commit ceiling in {path}: {os.strerror(-r)}")
+    return secs[0], fsyncs[0]

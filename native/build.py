@@ -24,6 +24,8 @@ int kvdb_committer_error(kvdb_committer *c);
 void kvdb_committer_debug_fail_next(kvdb_committer *c, int err);
 void kvdb_committer_stop(kvdb_committer *c);
 void kvdb_committer_free(kvdb_committer *c);
+int kvdb_commit_ceiling(const char *path, int threads, int n_per_thread, size_t record_bytes,
+                        double *seconds, int64_t *fsyncs);
 """
 
 ffibuilder = FFI()

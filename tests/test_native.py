@@ -458,3 +458,31 @@ def test_crc32c_long_buffers_agree_with_the_c_loop(n):
         assert native.crc32c(buf, 0x1234ABCD) == c_loop(buf, 0x1234ABCD)
     assert native.crc32c(data[n // 2 :], native.crc32c(data[: n // 2])) == native.crc32c(data)
     assert native.crc32c(data[:5000]) == native.py_crc32c(data[:5000].tobytes())
+
+
+# ---------------------------------------------------------------- the commit ceiling (bench)
+
+
+@pytest.mark.skipif(not native.HAVE_NATIVE, reason="needs the compiled core")
+def test_commit_ceiling_counts_fsyncs_and_removes_its_file(tmp_path):
+    path = tmp_path / "ceiling"
+    secs, fsyncs = native.commit_ceiling(str(path), 1, 20, 4149)
+    assert secs > 0 and fsyncs == 20  # one writer: one fdatasync per record
+    assert not path.exists()
+    secs, fsyncs = native.commit_ceiling(str(path), 4, 10, 4149)
+    assert secs > 0 and 10 <= fsyncs <= 40  # four writers share fsyncs; each record covered once
+    assert not path.exists()
+
+
+@pytest.mark.skipif(not native.HAVE_NATIVE, reason="needs the compiled core")
+def test_commit_ceiling_bad_arguments_are_errors(tmp_path):
+    with pytest.raises(OSError) as e:
+        native.commit_ceiling(str(tmp_path / "x"), 0, 10, 100)
+    assert e.value.errno == errno.EINVAL
+    (tmp_path / "taken").write_bytes(b"keep me")
+    with pytest.raises(OSError) as e:
+        native.commit_ceiling(str(tmp_path / "taken"), 2, 5, 100)  # never overwrites a file
+    assert e.value.errno == errno.EEXIST
+    assert (tmp_path / "taken").read_bytes() == b"keep me"
+    with pytest.raises(OSError):
+        native.commit_ceiling(str(tmp_path / "no-such-dir" / "x"), 2, 5, 100)

@@ -11,6 +11,11 @@ Figures (all measured in one run, DESIGN.md "Performance"):
 * ``group_commit_ops_s`` 8 threads putting the same small blocks under ``group``;
 * ``group_commit_native_ops_s`` the same with ``native_commit=True`` (the native committer's
                        fsyncs instead of the Python leader's; kvdb/wal/writer.py);
+* ``ceiling_sync_ops_s`` / ``ceiling_group_ops_s`` the same two workloads with no Python in the
+                       way (kvdb.native.commit_ceiling: C threads, the same record size, one
+                       gathering leader per fsync): what this disk and scheduler allow.
+                       ``ceiling_group_vs_sync`` is the best "group vs sync" a store could show
+                       here; ``group_vs_ceiling`` is the store's group rate against it;
 * ``fsync_us``         median of a plain 4 KiB append + fdatasync on the same filesystem, taken
                        between the commit phases: the two rates above are read next to it (group
                        commit gains most when fsync is slow);
@@ -36,6 +41,7 @@ import numpy as np
 from kvdb import native
 from kvdb.buffer_pool.layout import BlockLayout
 from kvdb.cold.store import ColdStore
+from kvdb.format.record import PUT_FIXED_BYTES, RECORD_HEADER_BYTES
 
 GIB = 1 << 30
 #: Llama-3-8B in bf16, 16-token blocks: 2 MiB pages
@@ -172,8 +178,9 @@ def bench_commits(root: str, threads: int, ops_per_thread: int, sync_ops: int, r
     page = rng.integers(0, 256, (1, SMALL.page_bytes), dtype=np.uint8)
     store = ColdStore.open(os.path.join(root, "small"), SMALL)
     native_store = ColdStore.open(os.path.join(root, "small-native"), SMALL, native_commit=True) if native.HAVE_NATIVE else None
-    sync_s = group_s = nat_s = 0.0
-    group_fsyncs = nat_fsyncs = 0
+    sync_s = group_s = nat_s = csync_s = cgroup_s = 0.0
+    group_fsyncs = nat_fsyncs = cgroup_fsyncs = 0
+    record = RECORD_HEADER_BYTES + PUT_FIXED_BYTES + SMALL.page_bytes  # one small put's log record
     fsync_us: list[float] = []
     per = ops_per_thread // rounds
     try:
@@ -189,6 +196,10 @@ def bench_commits(root: str, threads: int, ops_per_thread: int, sync_ops: int, r
             if native_store is not None:
                 s, f = _group_phase(native_store, page, threads, per, 1000 * (r + 1))
                 nat_s, nat_fsyncs = nat_s + s, nat_fsyncs + f
+                s, _f = native.commit_ceiling(os.path.join(root, f"ceiling-sync-{r}"), 1, sync_ops // rounds, record)
+                csync_s += s
+                s, f = native.commit_ceiling(os.path.join(root, f"ceiling-group-{r}"), threads, per, record)
+                cgroup_s, cgroup_fsyncs = cgroup_s + s, cgroup_fsyncs + f
     finally:
         store.close()
         if native_store is not None:
@@ -206,6 +217,11 @@ def bench_commits(root: str, threads: int, ops_per_thread: int, sync_ops: int, r
     if native_store is not None:
         out["group_commit_native_ops_s"] = round(n_group / nat_s, 1)
         out["group_native_ops_per_fsync"] = round(n_group / max(1, nat_fsyncs), 2)
+        out["ceiling_sync_ops_s"] = round(n_sync / csync_s, 1)
+        out["ceiling_group_ops_s"] = round(n_group / cgroup_s, 1)
+        out["ceiling_group_ops_per_fsync"] = round(n_group / max(1, cgroup_fsyncs), 2)
+        out["ceiling_group_vs_sync"] = round(out["ceiling_group_ops_s"] / out["ceiling_sync_ops_s"], 2)
+        out["group_vs_ceiling"] = round(out["group_commit_ops_s"] / out["ceiling_group_ops_s"], 2)
     return out
 
 
