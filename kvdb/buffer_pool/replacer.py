@@ -231,12 +231,22 @@ class ArcReplacer(PinSetReplacer):
     on a B1 ghost grows the target size p of T1, a B2 ghost shrinks it. Victims come from T1
     while it is above p, else from T2. Pinned frames stay in their list but are skipped.
     Without ids (ids=None) ghosts are not tracked and ARC degrades to a T1/T2 split LRU.
+
+    ARC's cache size c (the bound of p and of each ghost list) is ``capacity_frames``: the
+    frames that stay resident. In the engine that is every frame (the default); the replay's
+    pool has spare frames for one call in flight (capacity + the trace's longest call), and a
+    c that counted them would let a later, longer call change earlier decisions (S4).
     """
 
     name = "arc"
 
-    def __init__(self, num_frames: int) -> None:
+    def __init__(self, num_frames: int, capacity_frames: int | None = None) -> None:
         super().__init__(num_frames)
+        if capacity_frames is None:
+            capacity_frames = num_frames
+        if not 0 < capacity_frames <= num_frames:
+            raise InvalidInput(f"ARC's capacity_frames must be in [1, {num_frames}], got {capacity_frames}")
+        self.capacity_frames = capacity_frames
         self._t1: OrderedDict[int, Hashable] = OrderedDict()  # frame -> id; first = LRU end
         self._t2: OrderedDict[int, Hashable] = OrderedDict()
         self._b1: OrderedDict[Hashable, None] = OrderedDict()
@@ -244,7 +254,7 @@ class ArcReplacer(PinSetReplacer):
         self._p = 0.0
 
     def record_access(self, frames, ids=None, ctx=None) -> None:
-        c = self.num_frames
+        c = self.capacity_frames
         if ids is not None and len(ids) != len(frames):
             raise InvalidInput(f"record_access got {len(frames)} frames but {len(ids)} ids")
         for i in range(len(frames) - 1, -1, -1):  # deepest first (R3)
@@ -284,7 +294,7 @@ class ArcReplacer(PinSetReplacer):
                 ghosts = self._b1 if lst is self._t1 else self._b2
                 if bid is not None:
                     ghosts[bid] = None
-                    while len(ghosts) > self.num_frames:
+                    while len(ghosts) > self.capacity_frames:
                         ghosts.popitem(last=False)
                 return f
         return None

@@ -57,6 +57,8 @@ def sim_cmd(trace, policies, capacities, fractions, timed, host_factor, as_json,
             raise click.UsageError(f"unknown policy {p!r}; one of {', '.join(sorted(POLICIES))}")
     if not capacities and not fractions:
         raise click.UsageError("give --capacity N or --capacity-fraction F")
+    if timed and (plot or per_request_out):
+        raise click.UsageError("--plot and --per-request-out are for hit ratios; --timed reports TTFT and JCT")
     t = read_trace(trace)
     caps = list(capacities) + [capacity_for(t, f) for f in fractions]
     rows = []
@@ -81,7 +83,7 @@ def sim_cmd(trace, policies, capacities, fractions, timed, host_factor, as_json,
         finally:
             if out:
                 out.close()
-    if plot and not timed:
+    if plot:
         _plot(rows, plot)
     if as_json:
         click.echo(json.dumps(rows, indent=2))

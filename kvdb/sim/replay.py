@@ -10,7 +10,8 @@ Semantics, shared by every policy and by the Belady bound:
       workflows and the hints (Belady alone is handed the future, to be the bound).
 
 The simulated pool has ``capacity + longest call`` frames so that S2 never runs out of frames
-before S3 trims. Block identity is the hash id, or (tenant, hash id) when a tenant is named.
+before S3 trims. The longest call is a trace-wide figure, so no policy may size itself by the
+pool (S4): ARC gets ``capacity_frames`` (``policy_options``). Block identity is the hash id, or (tenant, hash id) when a tenant is named.
 Workflow / session lines drive the same ``Planner`` the engine uses.
 """
 
@@ -59,6 +60,14 @@ def capacity_for(trace: Trace, fraction: float) -> int:
     return n
 
 
+def policy_options(policy: str, capacity_blocks: int, options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Options for ``make_policy`` in a replay: ARC's c is the resident capacity, not the pool."""
+    opts = dict(options or {})
+    if policy == "arc":
+        opts.setdefault("capacity_frames", capacity_blocks)
+    return opts
+
+
 def replay(
     trace: Trace,
     policy: str,
@@ -76,7 +85,7 @@ def replay(
     future = None
     if policy in REPLAY_ONLY:
         future = [[block_id(c, h) for h in c.hash_ids] for c in calls]
-    repl = make_policy(policy, num_frames, future=future, **(options or {}))
+    repl = make_policy(policy, num_frames, future=future, **policy_options(policy, capacity_blocks, options))
     planner = Planner([repl], clock=lambda: 0.0)
 
     table: dict[Hashable, int] = {}

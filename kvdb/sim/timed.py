@@ -27,14 +27,14 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, Hashable
 
 from kvdb.errors import CapacityError, InvalidInput
 from kvdb.planner.cost import DEFAULT_COST, CostModel
 from kvdb.planner.policies import REPLAY_ONLY, make_policy
 from kvdb.planner.sessions import Planner
-from kvdb.sim.replay import block_id
+from kvdb.sim.replay import block_id, policy_options
 from kvdb.sim.trace import Call, SessionEndLine, Trace, WorkflowLine
 
 
@@ -55,6 +55,7 @@ class TimedResult:
     prefetched_blocks: int
     recomputed_blocks: int
     elapsed_s: float
+    hints: dict[str, int] = field(default_factory=dict)  # hint outcomes: accepted / clipped / rejected
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -76,7 +77,7 @@ def timed_replay(trace: Trace, policy: str, device_blocks: int, host_blocks: int
     calls = trace.calls
     longest = max((len(c.hash_ids) for c in calls), default=1)
     num_frames = device_blocks + max(longest, 1)
-    repl = make_policy(policy, num_frames)
+    repl = make_policy(policy, num_frames, **policy_options(policy, device_blocks))
     predict = getattr(repl, "predicted_return", None)
     planner = Planner([repl], clock=lambda: 0.0)
     table: dict[Hashable, int] = {}
@@ -92,14 +93,16 @@ def timed_replay(trace: Trace, policy: str, device_blocks: int, host_blocks: int
     dev_hits = host_hits = prefetched = recomputed = 0
     t0 = time.perf_counter()
     for rec in trace.records:
-        if isinstance(rec, WorkflowLine):
+        if isinstance(rec, WorkflowLine):  # the same checks as the sequential replay
             sid = rec.workflow.session_id
-            if planner.find_session(sid) is None:
-                planner.begin_session(sid, tenant=rec.tenant, workflow=rec.workflow, now_s=rec.now_s)
+            if planner.find_session(sid) is not None:
+                raise InvalidInput(f"{trace.source}:{rec.line_no}: session {sid!r} declared twice")
+            planner.begin_session(sid, tenant=rec.tenant, workflow=rec.workflow, now_s=rec.now_s)
             continue
         if isinstance(rec, SessionEndLine):
-            if planner.find_session(rec.session_id) is not None:
-                planner.end_session(rec.session_id, now_s=rec.now_s)
+            if planner.find_session(rec.session_id) is None:
+                raise InvalidInput(f"{trace.source}:{rec.line_no}: session_end for {rec.session_id!r}, which is not open")
+            planner.end_session(rec.session_id, now_s=rec.now_s)
             continue
         call: Call = rec
         skey = call.session_id if call.session_id is not None else ("call", call.index)
@@ -145,8 +148,11 @@ def timed_replay(trace: Trace, policy: str, device_blocks: int, host_blocks: int
                 table[b] = f
                 owner[f] = b
             frames.append(f)
-        ctx, _ = planner.call_started(call.session_id, node_id=call.node_id, agent_id=call.agent_id,
-                                      tenant=call.tenant, hints=call.hints, now_s=arrival)
+        try:
+            ctx, _ = planner.call_started(call.session_id, node_id=call.node_id, agent_id=call.agent_id,
+                                          tenant=call.tenant, hints=call.hints, now_s=arrival)
+        except InvalidInput as e:
+            raise InvalidInput(f"{trace.source}:{call.line_no}: {e}") from None
         if ids:
             repl.record_access(frames, ids, ctx)
         planner.call_finished(call.session_id, node_id=call.node_id, agent_id=call.agent_id,
@@ -171,5 +177,5 @@ def timed_replay(trace: Trace, policy: str, device_blocks: int, host_blocks: int
         ttft_p50_s=_pct(ttfts, 0.5), ttft_p99_s=_pct(ttfts, 0.99),
         jct_mean_s=sum(jcts) / len(jcts) if jcts else 0.0, jct_p99_s=_pct(jcts, 0.99),
         device_hits=dev_hits, host_hits=host_hits, prefetched_blocks=prefetched, recomputed_blocks=recomputed,
-        elapsed_s=time.perf_counter() - t0,
+        elapsed_s=time.perf_counter() - t0, hints=dict(planner.outcome_counts),
     )
