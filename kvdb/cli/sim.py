@@ -42,11 +42,13 @@ def _progress(total: int, enabled: bool):
 @click.option("--timed", is_flag=True, help="timed replay (TTFT, job completion time) instead of hit ratios")
 @click.option("--host-factor", type=float, default=4.0, show_default=True,
               help="--timed: host tier capacity as a multiple of the device capacity")
+@click.option("--disk-factor", type=float, default=0.0, show_default=True,
+              help="--timed: disk tier capacity as a multiple of the device capacity (0: no disk tier)")
 @click.option("--json", "as_json", is_flag=True, help="print a JSON list, one object per (policy, capacity)")
 @click.option("--per-request-out", type=click.Path(dir_okay=False),
               help="write one JSON line per (policy, capacity, call), calls in trace order: its hit blocks")
 @click.option("--plot", type=click.Path(dir_okay=False), help="draw hit ratio against capacity per policy (PNG)")
-def sim_cmd(trace, policies, capacities, fractions, timed, host_factor, as_json, per_request_out, plot):
+def sim_cmd(trace, policies, capacities, fractions, timed, host_factor, disk_factor, as_json, per_request_out, plot):
     """Replay TRACE (Mooncake or kvdb JSONL) under each policy and capacity."""
     from kvdb.planner.policies import POLICIES
     from kvdb.sim.replay import capacity_for, replay
@@ -68,7 +70,7 @@ def sim_cmd(trace, policies, capacities, fractions, timed, host_factor, as_json,
 
         for c in caps:
             for p in policies:
-                rows.append(timed_replay(t, p, c, int(c * host_factor)).as_dict())
+                rows.append(timed_replay(t, p, c, int(c * host_factor), disk_blocks=int(c * disk_factor)).as_dict())
     else:
         out = open(per_request_out, "w", encoding="utf-8") if per_request_out else None
         try:
@@ -89,9 +91,9 @@ def sim_cmd(trace, policies, capacities, fractions, timed, host_factor, as_json,
         click.echo(json.dumps(rows, indent=2))
         return
     if timed:
-        click.echo(f"{'policy':<10} {'device':>7} {'host':>7} {'ttft_mean_s':>12} {'ttft_p99_s':>11} {'jct_mean_s':>11} {'jct_p99_s':>10}")
+        click.echo(f"{'policy':<10} {'device':>7} {'host':>7} {'disk':>7} {'ttft_mean_s':>12} {'ttft_p99_s':>11} {'jct_mean_s':>11} {'jct_p99_s':>10}")
         for r in rows:
-            click.echo(f"{r['policy']:<10} {r['device_blocks']:>7} {r['host_blocks']:>7} {r['ttft_mean_s']:>12.4f} "
+            click.echo(f"{r['policy']:<10} {r['device_blocks']:>7} {r['host_blocks']:>7} {r['disk_blocks']:>7} {r['ttft_mean_s']:>12.4f} "
                        f"{r['ttft_p99_s']:>11.4f} {r['jct_mean_s']:>11.3f} {r['jct_p99_s']:>10.3f}")
         return
     click.echo(f"{'policy':<10} {'capacity':>9} {'requests':>9} {'accesses':>9} {'hits':>8} {'block_hit':>9} {'token_hit':>9} {'us/access':>9}")

@@ -3,15 +3,18 @@
 Model (one GPU; what each policy changes is which blocks are where, and when):
 
   T1  Tiers: ``device`` (``device_blocks``, managed by the policy under test, same frame
-      mechanics as the sequential replay S1-S3) and ``host`` (``host_blocks``, LRU). A block
-      the policy evicts from the device is offloaded to host (off the critical path: it was
-      written out while the GPU did other work); host victims are dropped.
-  T2  A call's prefix is served from the longest leading run of blocks present in device or
-      host. Host blocks reload at ``host_bytes_per_s``; the rest are recomputed (prefill FLOPs
-      grow with depth). After the call all its blocks are on the device (then trimmed, T1).
+      mechanics as the sequential replay S1-S3), ``host`` (``host_blocks``, LRU) and ``disk``
+      (``disk_blocks``, LRU; 0 = none, the default). A block the policy evicts from the
+      device is offloaded to host, a host victim to disk (off the critical path: written out
+      while the GPU did other work); disk victims are dropped. A block lives in one tier.
+  T2  A call's prefix is served from the longest leading run of blocks present in any tier.
+      Host blocks reload at ``host_bytes_per_s``; a disk block at depth j reloads at
+      ``disk_bytes_per_s`` when that is cheaper than recomputing it at depth j, else it is
+      recomputed; blocks past the run are recomputed (prefill FLOPs grow with depth). After
+      the call all its blocks are on the device (then trimmed, T1).
   T3  Prefetch in flight: a policy that predicts when a session returns
       (``predicted_return(session_id)``: tokencake, kvdb) starts reloading that session's
-      host blocks ``prefetch_lead_s`` before the predicted return. The reload overlaps the
+      host and disk blocks ``prefetch_lead_s`` before the predicted return. The reload overlaps the
       wait by ``min(1, (arrival - (predicted - lead)) / reload_time)`` of its duration; a
       prediction later than the arrival hides nothing.
   T4  The GPU runs prefill (reload + recompute) one call at a time, FIFO in trace order;
@@ -55,6 +58,8 @@ class TimedResult:
     prefetched_blocks: int
     recomputed_blocks: int
     elapsed_s: float
+    disk_blocks: int = 0
+    disk_hits: int = 0  # blocks reloaded from disk (T2: cheaper than their recompute)
     hints: dict[str, int] = field(default_factory=dict)  # hint outcomes: accepted / clipped / rejected
 
     def as_dict(self) -> dict[str, Any]:
@@ -68,10 +73,11 @@ def _pct(xs: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(q * len(s)))]
 
 
-def timed_replay(trace: Trace, policy: str, device_blocks: int, host_blocks: int, *,
+def timed_replay(trace: Trace, policy: str, device_blocks: int, host_blocks: int, *, disk_blocks: int = 0,
                  cost: CostModel = DEFAULT_COST, prefetch_lead_s: float = 2.0) -> TimedResult:
-    if device_blocks < 1 or host_blocks < 0:
-        raise InvalidInput(f"need device_blocks >= 1 and host_blocks >= 0, got {device_blocks}, {host_blocks}")
+    if device_blocks < 1 or host_blocks < 0 or disk_blocks < 0:
+        raise InvalidInput(f"need device_blocks >= 1, host_blocks >= 0 and disk_blocks >= 0, "
+                           f"got {device_blocks}, {host_blocks}, {disk_blocks}")
     if policy in REPLAY_ONLY:
         raise InvalidInput(f"{policy!r} is replay-only (it reads the future); the timed replay runs online policies")
     calls = trace.calls
@@ -84,13 +90,14 @@ def timed_replay(trace: Trace, policy: str, device_blocks: int, host_blocks: int
     owner: list[Hashable] = [None] * num_frames
     free = list(range(num_frames - 1, -1, -1))
     host: OrderedDict[Hashable, None] = OrderedDict()
+    disk: OrderedDict[Hashable, None] = OrderedDict()
     lag: dict[Any, float] = {}
     first_arrival: dict[Any, float] = {}
     last_finish: dict[Any, float] = {}
     last_ttft: dict[Any, float] = {}  # TTFT of the call that finishes last (already in its finish)
     gpu_free = 0.0
     ttfts: list[float] = []
-    dev_hits = host_hits = prefetched = recomputed = 0
+    dev_hits = host_hits = disk_hits = prefetched = recomputed = 0
     t0 = time.perf_counter()
     for rec in trace.records:
         if isinstance(rec, WorkflowLine):  # the same checks as the sequential replay
@@ -109,23 +116,32 @@ def timed_replay(trace: Trace, policy: str, device_blocks: int, host_blocks: int
         arrival = call.now_s
         first_arrival.setdefault(skey, arrival)
         ids = [block_id(call, h) for h in call.hash_ids]
-        n_dev = n_host = 0
-        for b in ids:
+        n_dev = n_host = n_disk = served = 0  # served: the run of present blocks (T2)
+        bt = call.block_tokens
+        disk_recompute_s = 0.0  # disk blocks of the run that are cheaper to recompute (T2)
+        for j, b in enumerate(ids):
             if b in table:
                 n_dev += 1
             elif b in host:
                 n_host += 1
+            elif b in disk:
+                one = cost.prefill_s(j, j + 1, bt)
+                if cost.reload_s(1, bt, "disk") < one:
+                    n_disk += 1
+                else:
+                    disk_recompute_s += one
+                    recomputed += 1
             else:
                 break
-        served = n_dev + n_host
+            served += 1
         predicted = predict(call.session_id) if (predict is not None and call.session_id is not None) else None
-        reload_s = cost.reload_s(n_host, call.block_tokens)
+        reload_s = cost.reload_s(n_host, bt) + cost.reload_s(n_disk, bt, "disk")
         hidden = 0.0
-        if predicted is not None and n_host and reload_s > 0:
+        if predicted is not None and (n_host or n_disk) and reload_s > 0:
             start_pf = predicted - prefetch_lead_s
             hidden = max(0.0, min(1.0, (arrival - start_pf) / reload_s)) if arrival > start_pf else 0.0
-            prefetched += int(round(n_host * hidden))
-        recompute_s = cost.prefill_s(served, len(ids), call.block_tokens)
+            prefetched += int(round((n_host + n_disk) * hidden))
+        recompute_s = cost.prefill_s(served, len(ids), bt) + disk_recompute_s
         start = max(arrival, gpu_free)
         ttft = (start - arrival) + reload_s * (1.0 - hidden) + recompute_s
         gpu_free = arrival + ttft
@@ -133,6 +149,7 @@ def timed_replay(trace: Trace, policy: str, device_blocks: int, host_blocks: int
         ttfts.append(ttft)
         dev_hits += n_dev
         host_hits += n_host
+        disk_hits += n_disk
         recomputed += len(ids) - served
         lag[skey] = lag.get(skey, 0.0) + ttft
         if finish >= last_finish.get(skey, 0.0):
@@ -142,6 +159,7 @@ def timed_replay(trace: Trace, policy: str, device_blocks: int, host_blocks: int
         frames = []
         for b in ids:
             host.pop(b, None)
+            disk.pop(b, None)
             f = table.get(b)
             if f is None:
                 f = free.pop()
@@ -168,7 +186,11 @@ def timed_replay(trace: Trace, policy: str, device_blocks: int, host_blocks: int
             if host_blocks:
                 host[b] = None
                 if len(host) > host_blocks:
-                    host.popitem(last=False)
+                    down, _ = host.popitem(last=False)
+                    if disk_blocks:
+                        disk[down] = None
+                        if len(disk) > disk_blocks:
+                            disk.popitem(last=False)
     # T5: span + accumulated TTFT (lag) + the decode of the call that ends last
     jcts = [last_finish[k] - first_arrival[k] + lag[k] - last_ttft[k] for k in last_finish]
     return TimedResult(
@@ -177,5 +199,6 @@ def timed_replay(trace: Trace, policy: str, device_blocks: int, host_blocks: int
         ttft_p50_s=_pct(ttfts, 0.5), ttft_p99_s=_pct(ttfts, 0.99),
         jct_mean_s=sum(jcts) / len(jcts) if jcts else 0.0, jct_p99_s=_pct(jcts, 0.99),
         device_hits=dev_hits, host_hits=host_hits, prefetched_blocks=prefetched, recomputed_blocks=recomputed,
-        elapsed_s=time.perf_counter() - t0, hints=dict(planner.outcome_counts),
+        elapsed_s=time.perf_counter() - t0, disk_blocks=disk_blocks, disk_hits=disk_hits,
+        hints=dict(planner.outcome_counts),
     )

@@ -19,6 +19,7 @@ from click.testing import CliRunner
 import kvdb
 from kvdb.cli.main import cli
 from kvdb.errors import InvalidInput
+from kvdb.planner.cost import DEFAULT_COST
 from kvdb.planner.policies import POLICIES, REPLAY_ONLY
 from kvdb.sim.generator import generate, load_params
 from kvdb.sim.replay import capacity_for, replay
@@ -290,3 +291,41 @@ def test_arc_capacity_frames_is_checked():
     for bad in (0, 9):
         with pytest.raises(InvalidInput, match="capacity_frames"):
             ArcReplacer(8, capacity_frames=bad)
+
+
+def test_timed_replay_disk_tier_serves_deep_blocks():
+    """T1/T2. Scenario: device 10, host 10, disk 1000 blocks, LRU, 512-token blocks. A = blocks
+    0..99, then B = 1000..1099, then A again. A's blocks all reach disk (device keeps A's 0..9,
+    host its 10..19, the rest go down; B pushes those down too). On A's return the run covers
+    all 100: a disk block at depth j >= 38 reloads (2 GB/s: ~33.6 ms) cheaper than its
+    recompute (~20.7 + 0.34 j ms); the 38 shallower ones are recomputed. Without a disk tier
+    all 100 are recomputed."""
+    text = "\n".join(json.dumps({"timestamp": 1000 * i, "hash_ids": ids}) for i, ids in
+                     enumerate([list(range(100)), list(range(1000, 1100)), list(range(100))]))
+    t = parse_trace(text)
+    cost = DEFAULT_COST
+    deep = [j for j in range(100) if cost.reload_s(1, 512, "disk") < cost.prefill_s(j, j + 1, 512)]
+    assert deep == list(range(38, 100))
+    with_disk = timed_replay(t, "lru", 10, 10, disk_blocks=1000)
+    without = timed_replay(t, "lru", 10, 10)
+    assert (with_disk.device_hits, with_disk.host_hits, with_disk.disk_hits) == (0, 0, 62)
+    assert (with_disk.recomputed_blocks, without.recomputed_blocks, without.disk_hits) == (238, 300, 0)
+    assert with_disk.ttft_mean_s < without.ttft_mean_s
+    too_small = timed_replay(t, "lru", 10, 10, disk_blocks=50)  # A's deep blocks fell off the disk
+    assert too_small.disk_hits == 0 and too_small.recomputed_blocks == 300
+    with pytest.raises(InvalidInput, match="disk_blocks >= 0"):
+        timed_replay(t, "lru", 10, 10, disk_blocks=-1)
+
+
+def test_timed_replay_disk_tier_never_slows_a_call():
+    """A disk tier only adds blocks to choose from (reloaded only when cheaper): the device and
+    host hold the same blocks (a run may now go on through a disk block to deeper device or
+    host blocks), and no TTFT or JCT figure gets worse, for every online policy."""
+    t = parse_trace("\n".join(_lines("hints", sessions=10)))
+    d = capacity_for(t, 0.01)
+    for p in ONLINE:
+        a = timed_replay(t, p, d, 2 * d)
+        b = timed_replay(t, p, d, 2 * d, disk_blocks=20 * d)
+        assert b.device_hits >= a.device_hits and b.host_hits >= a.host_hits and b.disk_hits > 0, p
+        assert b.ttft_mean_s <= a.ttft_mean_s and b.ttft_p99_s <= a.ttft_p99_s and b.jct_mean_s <= a.jct_mean_s, p
+        assert b.recomputed_blocks < a.recomputed_blocks, p
