@@ -111,7 +111,11 @@ DEFAULT_CHECKPOINT_BYTES = 512 << 20
 #: group fsync cost its leader ~30 us, in series with everyone's next commit
 APPLY_BATCH = 512
 READ_SLICE_BYTES = 4 << 20  # raw runs are read and checked in slices of this many bytes
-PERSISTED_COUNTERS = ("hits", "misses", "corruptions", "evictions", "puts", "deletes", "segments_deleted")
+#: saved in the index at every checkpoint (so after a clean reopen, or a crash, ``stats`` shows
+#: the counts of the last checkpoint); ``lookup_hits`` / ``lookup_misses`` are the Db's lookups
+#: answered by this tier and answered by no tier (``count_lookups``)
+PERSISTED_COUNTERS = ("hits", "misses", "corruptions", "evictions", "puts", "deletes", "segments_deleted",
+                      "lookup_hits", "lookup_misses")
 
 
 class ColdStore:
@@ -379,6 +383,12 @@ class ColdStore:
         with self._stats_lock:
             for k, v in deltas.items():
                 self._counters[k] += v
+
+    def count_lookups(self, hits: int, misses: int) -> None:
+        """The Db's prefix lookups: ``hits`` blocks found on this tier only, ``misses`` lookups
+        no tier answered. Kept here so that they are persisted with the store's counters."""
+        if hits or misses:
+            self._count(lookup_hits=hits, lookup_misses=misses)
 
     # ------------------------------------------------------------------ writes
 
@@ -930,7 +940,9 @@ class ColdStore:
         """True: row holds the page. False: damaged. None: the segment is gone (retry)."""
         fd = self._pin_fd(e.segment_no)
         if fd is None:
-            return None if e.segment_no in self._seg_live else False
+            # GC deleted the segment (C4 drops it from _seg_live first): the block moved since
+            # the caller looked it up, so look again; a segment the store still counts is damage
+            return None if e.segment_no not in self._seg_live else False
         try:
             if e.codec == Codec.RAW and not (e.flags & FLAG_SEALED) \
                     and e.record_bytes == PUT_PAYLOAD_OFFSET + self.page_bytes:

@@ -264,6 +264,10 @@ class Db(SessionsMixin, LandingMixin, ReplicationMixin):
             self._cold = self._open_cold(disk_bytes, codec, encryption_key_file)
         elif encryption_key_file is not None:
             raise InvalidInput("encryption_key_file needs the disk tier (disk_bytes != 0)")
+        if self._cold is not None:  # the disk tier's counters survive a reopen (saved by the store)
+            saved = self._cold.stats()
+            self._disk_hits, self._lookup_misses = saved["lookup_hits"], saved["lookup_misses"]
+            self._reads[2] = saved["hits"]  # pages the Db read from disk (it is the store's only reader)
 
     def _open_cold(self, disk_bytes, codec, encryption_key_file):
         try:
@@ -578,6 +582,8 @@ class Db(SessionsMixin, LandingMixin, ReplicationMixin):
         self._disk_hits += disk_hits
         if missed:
             self._lookup_misses += 1
+        if self._cold is not None:
+            self._cold.count_lookups(disk_hits, 1 if missed else 0)
 
     def contains(self, key) -> bool:
         """Whether one key is stored in any tier (a peek: no stats, no recency)."""
@@ -794,6 +800,7 @@ class Db(SessionsMixin, LandingMixin, ReplicationMixin):
                 disk = dict(self._cold.stats())
                 # lookups, as for the other tiers; the store's own read counters keep their names
                 disk["store_hits"], disk["store_misses"] = disk.pop("hits", 0), disk.pop("misses", 0)
+                del disk["lookup_hits"], disk["lookup_misses"]  # the Db's own, reported just below
                 disk["hits"] = self._disk_hits
                 disk["misses"] = self._lookup_misses
                 disk["reads"] = self._reads[2]
