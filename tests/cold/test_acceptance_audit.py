@@ -11,6 +11,10 @@ the public surface (an audit against the issue; docs/durability.md "How it is te
 * through ``kvdb.open``: encryption at rest (no file holds plaintext block bytes, also after
   write-back at close; a wrong or missing key is a clear error and leaves no lock behind) and
   ``disk_bytes`` bounding the disk tier across a reopen;
+* blocks written with ``tier="disk"`` land on disk only, disk reads promote through the
+  replacer (exact victim), a dirty victim is written back first;
+* damage in the middle of the replayed tail after a crash (bit flip in payload, header, length)
+  is resynced past, not truncated as a torn tail: the acknowledged blocks behind it survive;
 * golden files for the on-disk layouts test_format.py does not pin: the sealed payload and
   index key check (AES-256-GCM), the zstd byte-plane payload, the index stats value, MANIFEST.json.
 """
@@ -391,3 +395,64 @@ def test_golden_zstd_plane_payload_decodes_to_its_page():
     out[:] = 0
     codec_mod.decode_page(bytes(again), used, 2, out)
     assert used == Codec.ZSTD_PLANES and (out == PLANES_PAGE).all()
+
+
+def test_disk_writes_land_on_disk_and_disk_reads_promote_through_the_replacer(tmp_path):
+    # Scenario: LRU host tier of 2 pages. A and B put (in memory, B touched last), C put with
+    # tier="disk" (on disk only, memory untouched). Reading C promotes it into the host tier and
+    # the replacer picks the victim: A, the least recently used; A was written back first (it
+    # was dirty), so it is still readable, from disk.
+    with kvdb.open(tmp_path, layout=LAYOUT, model_id="m", host_bytes=2 * PAGE, replacer="lru") as db:
+        a, b, c = (db.block_keys(list(range(100 * i, 100 * i + 4)))[0] for i in range(3))
+        data = blocks(3, seed=5)
+        db.put_blocks([a], data[0:1], durability="none")
+        db.put_blocks([b], data[1:2], durability="none")
+        db.match_prefix([b])
+        db.put_blocks([c], data[2:3], tier="disk")
+        assert db._cold.contains([a, b, c]) == [False, False, True]
+        assert [k in db.pool.table for k in (a, b, c)] == [True, True, False]
+        out = torch.empty((1, *LAYOUT.block_shape))
+        db.get_blocks([c], out=out)
+        assert torch.equal(out[0], data[2])
+        assert [k in db.pool.table for k in (a, b, c)] == [False, True, True]
+        assert db._cold.contains([a]) == [True]  # the dirty victim was written back
+        db.get_blocks([a], out=out)
+        assert torch.equal(out[0], data[0])
+
+
+@pytest.mark.parametrize("where", ["payload", "header", "length"])
+def test_damage_in_the_replayed_tail_is_not_taken_for_a_torn_tail(tmp_path, where):
+    # Scenario: a checkpoint, then 6 blocks put one by one under sync in the active segment,
+    # then a crash (nothing after them is flushed or checkpointed, so reopen replays them).
+    # One bit of the 3rd record is flipped. Recovery must resync on the next lsns: the 3rd
+    # block is a counted miss, the 4th to 6th -- acknowledged, behind the damage -- read back
+    # exact (LevelDB-style "stop at the first bad record" would have truncated them away), and
+    # `kvdb verify` exits 3.
+    write_manifest(tmp_path)
+    keys = [key(i) for i in range(8)]
+    s = ColdStore.open(tmp_path, TINY, flush_interval_s=None)
+    s.put(keys[:2], pages_for(keys[:2]), None, "sync")
+    s.checkpoint()
+    for k in keys[2:]:
+        s.put([k], pages_for([k]), None, "sync")
+    victim = s._live[keys[4]]
+    entry = s._lookup([keys[4]])[0]
+    s.debug_crash_close()  # the index keeps its checkpoint: reopen replays the 6 records after it
+    seg = tmp_path / "wal" / "00000001.log"
+    at = entry.offset + {"payload": 53 + 40, "header": 9, "length": 1}[where]
+    with open(seg, "r+b") as f:
+        f.seek(at)
+        b = f.read(1)
+        f.seek(at)
+        f.write(bytes([b[0] ^ 0x04]))
+    assert victim[2] == 1
+    with ColdStore.open(tmp_path, TINY, flush_interval_s=None) as s:
+        assert s.recovery.records_replayed >= 5 and s.recovery.torn_bytes == 0
+        assert len(s.recovery.damage) == 1
+        out = np.zeros((8, TINY.page_bytes), np.uint8)
+        found = s.get_into(keys, out)
+        assert found == [True] * 4 + [False] + [True] * 3
+        ok = [i for i in range(8) if i != 4]
+        assert (out[ok] == pages_for(keys)[ok]).all() and (out[4] == 0).all()
+    r = run("verify", tmp_path, "--json")
+    assert r.exit_code == 3 and any(keys[4].hex() in p or "bytes" in p for p in json.loads(r.stdout)["problems"])
