@@ -57,6 +57,7 @@ import contextlib
 import concurrent.futures
 import os
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -105,6 +106,10 @@ _allocate_lock = threading.Lock
 
 DURABILITIES = ("none", "group", "sync")
 DEFAULT_SEGMENT_BYTES = 256 << 20
+#: automatic compaction once the log holds more than this many times the live bytes
+DEFAULT_MAX_SPACE_AMP = 2.0
+#: how often the flusher looks at the log's space (a directory listing)
+AUTO_COMPACT_CHECK_S = 1.0
 DEFAULT_CHECKPOINT_BYTES = 512 << 20
 #: group puts leave their index updates queued (readers see them in ``_pending``) until this
 #: many are waiting or the flusher, a flush or a checkpoint applies them: a RocksDB write per
@@ -130,8 +135,14 @@ class ColdStore:
     def open(cls, path, layout, *, disk_bytes: int | None = None, encryption_key_file: str | None = None,
              codec: str = "raw", default_durability: str = "group", fs: OsFs | None = None,
              segment_bytes: int = DEFAULT_SEGMENT_BYTES, checkpoint_bytes: int = DEFAULT_CHECKPOINT_BYTES,
-             flush_interval_s: float | None = 0.05, native_commit: bool = False) -> "ColdStore":
+             flush_interval_s: float | None = 0.05, native_commit: bool = False,
+             max_space_amp: float | None = DEFAULT_MAX_SPACE_AMP) -> "ColdStore":
         """Open (creating when missing) the cold tier under ``path``; runs recovery.
+
+        ``max_space_amp``: the background flusher compacts on its own (``maybe_compact``) once
+        the log files hold more than this many times the live record bytes and at least one
+        segment's worth of dead bytes; ``None`` leaves compaction to ``compact`` /
+        ``kvdb compact``. (Without a flusher, ``flush_interval_s=None``, nothing runs on its own.)
 
         ``flush_interval_s=None`` turns the background flusher off (deterministic I/O for the
         crash tests; ``none`` writes then become durable at the next group/sync/checkpoint).
@@ -152,6 +163,13 @@ class ColdStore:
                                 f"give at least {self._max_record_bytes}")
         if segment_bytes < 512:
             raise InvalidInput(f"segment_bytes must be at least 512, got {segment_bytes}")
+        if max_space_amp is not None and (isinstance(max_space_amp, bool) or not isinstance(max_space_amp, (int, float))
+                                          or not max_space_amp > 1.0 or max_space_amp == float("inf")):
+            raise InvalidInput(f"max_space_amp must be a finite number > 1 or None, got {max_space_amp!r}")
+        self.max_space_amp = None if max_space_amp is None else float(max_space_amp)
+        self._sealed_sizes: dict[int, int] = {}  # sealed segment -> file bytes (they never change)
+        self._auto_floor = 0  # maybe_compact waits until the log grows past this again
+        self._auto_checked = 0.0
         self.path = Path(path)
         self.wal_dir = str(self.path / "wal")
         self.index_dir = str(self.path / "index")
@@ -176,7 +194,8 @@ class ColdStore:
         self._seg_live: collections.Counter = collections.Counter()  # segment -> live record bytes
         self._live_bytes = 0
         self._counters = dict.fromkeys(PERSISTED_COUNTERS, 0)
-        self._counters.update(checkpoints=0, read_errors=0, tombstones_carried=0, metadata_carried=0)
+        self._counters.update(checkpoints=0, read_errors=0, tombstones_carried=0, metadata_carried=0,
+                              auto_compactions=0)
         self._summaries: dict = {}  # sealed segment -> its SegmentSummary (segment GC, C6)
         self._gq_mu = threading.Lock()  # the group commit queue: _gq, _gq_busy
         self._gq: list[list] = []  # [items, wake-up lock, leads, error] of waiting group puts
@@ -794,6 +813,11 @@ class ColdStore:
                     self.flush()
                 if self._ckpt_log_bytes >= self.checkpoint_bytes:
                     self.checkpoint()
+                if self.max_space_amp is not None:
+                    now = time.monotonic()
+                    if now - self._auto_checked >= AUTO_COMPACT_CHECK_S:
+                        self._auto_checked = now
+                        self.maybe_compact()
             except BaseException as e:  # the store is failed now; callers see DbFailedError
                 if self._failed is None:
                     self._fail(e)
@@ -1042,6 +1066,57 @@ class ColdStore:
         r = self.recovery
         out["recovery"] = {"records_replayed": r.records_replayed, "bytes_replayed": r.bytes_replayed,
                            "torn_bytes": r.torn_bytes, "damage": len(r.damage)}
+        return out
+
+    def space(self) -> dict:
+        """Log bytes (all segments), live record bytes and dead bytes in sealed segments (the
+        part a compaction can reclaim). Sealed segments' sizes are cached: they never change."""
+        self._check()
+        w = self._writer
+        with w.lock:
+            segs = list_segments(self._fs, self.wal_dir)
+            active, active_bytes = w.segment_no, w.offset
+            live = self._live_bytes
+            seg_live = dict(self._seg_live)
+        sizes = self._sealed_sizes
+        for gone in [x for x in list(sizes) if x not in segs]:
+            sizes.pop(gone, None)
+        log_bytes = dead = 0
+        for x in segs:
+            if x >= active:
+                log_bytes += active_bytes if x == active else 0
+                continue
+            size = sizes.get(x)
+            if size is None:
+                try:
+                    size = sizes[x] = self._fs.file_bytes(os.path.join(self.wal_dir, segment_name(x)))
+                except FileNotFoundError:
+                    continue
+            log_bytes += size
+            dead += max(0, size - SEGMENT_HEADER_BYTES - seg_live.get(x, 0))
+        return {"log_bytes": log_bytes, "live_bytes": live, "dead_bytes": dead}
+
+    def maybe_compact(self) -> dict | None:
+        """Compact when the log holds more than ``max_space_amp`` x the live record bytes and at
+        least one segment's worth of it is dead in sealed segments; only segments at least half
+        dead are copied (above the bound, one is). Returns the compaction's counts, or None when
+        nothing was due. After a compaction that could not bring the log under the bound (a log
+        reader holds segments, damage), the next one waits until the log has grown by another
+        segment."""
+        amp = self.max_space_amp
+        if amp is None:
+            return None
+        sp = self.space()
+        if sp["log_bytes"] <= amp * sp["live_bytes"] or sp["dead_bytes"] < self._writer.segment_bytes \
+                or sp["log_bytes"] < self._auto_floor:
+            return None
+        from kvdb.cold.compact import compact
+
+        out = compact(self, min_dead_fraction=0.5)
+        after = self.space()
+        if after["log_bytes"] > amp * after["live_bytes"]:
+            self._auto_floor = after["log_bytes"] + self._writer.segment_bytes
+        self._count(auto_compactions=1)
         return out
 
     def compact(self, progress=None, now_ns: int | None = None) -> dict:

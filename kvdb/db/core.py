@@ -117,6 +117,7 @@ class Db(SessionsMixin, LandingMixin, ReplicationMixin):
         replication_transport: str | None = None,
         clock: Callable[[], float] | None = None,
         session_idle_s: float | None = 3600.0,
+        max_space_amp: float | None = 2.0,
     ) -> None:
         self.path = Path(path)
         # the time base of sessions, hints and planned moves (monotone seconds); injectable so
@@ -136,6 +137,8 @@ class Db(SessionsMixin, LandingMixin, ReplicationMixin):
                                f"expire), got {session_idle_s!r}")
         # a session idle this long is ended by the mover (kvdb/db/sessions.py S1-S3)
         self._session_idle_s: float | None = None if session_idle_s is None else float(session_idle_s)
+        # the disk tier compacts on its own past this space amplification (kvdb/cold/store.py)
+        self._max_space_amp = max_space_amp
         self.path.mkdir(parents=True, exist_ok=True)
         self._lock_fd = self._take_lock()
         try:
@@ -261,7 +264,7 @@ class Db(SessionsMixin, LandingMixin, ReplicationMixin):
         self._device_free_target = int(device_frames * device_free_fraction)
         self._cold = None
         if disk_bytes != 0:
-            self._cold = self._open_cold(disk_bytes, codec, encryption_key_file)
+            self._cold = self._open_cold(disk_bytes, codec, encryption_key_file, self._max_space_amp)
         elif encryption_key_file is not None:
             raise InvalidInput("encryption_key_file needs the disk tier (disk_bytes != 0)")
         if self._cold is not None:  # the disk tier's counters survive a reopen (saved by the store)
@@ -269,7 +272,7 @@ class Db(SessionsMixin, LandingMixin, ReplicationMixin):
             self._disk_hits, self._lookup_misses = saved["lookup_hits"], saved["lookup_misses"]
             self._reads[2] = saved["hits"]  # pages the Db read from disk (it is the store's only reader)
 
-    def _open_cold(self, disk_bytes, codec, encryption_key_file):
+    def _open_cold(self, disk_bytes, codec, encryption_key_file, max_space_amp):
         try:
             from kvdb.cold.store import ColdStore  # the disk tier (kvdb/cold/)
         except ImportError:
@@ -277,7 +280,7 @@ class Db(SessionsMixin, LandingMixin, ReplicationMixin):
                 return None  # this build has no disk tier yet: memory only
             raise InvalidInput("this kvdb build has no disk tier; open with disk_bytes=0") from None
         return ColdStore.open(self.path, self.layout, disk_bytes=disk_bytes, encryption_key_file=encryption_key_file,
-                              codec=codec, default_durability="group")
+                              codec=codec, default_durability="group", max_space_amp=max_space_amp)
 
     @staticmethod
     def _pick_device(device) -> torch.device:

@@ -1,0 +1,160 @@
+"""Automatic compaction (ColdStore ``max_space_amp``, ``maybe_compact``; the Db's default).
+
+Overwritten and deleted blocks leave dead bytes in their segments; past ``max_space_amp`` x the
+live bytes (and one segment's worth of garbage) the store compacts on its own, and every live
+block still reads back bit-exact."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+from cold_fixtures import TINY, key, pages_for
+
+import kvdb
+from kvdb.cold import store as store_mod
+from kvdb.cold.store import ColdStore
+from kvdb.errors import InvalidInput
+
+SEG = 8 << 10  # 8 KiB segments: ~45 tiny records each
+
+
+def _open(path, **kw):
+    kw.setdefault("segment_bytes", SEG)
+    kw.setdefault("flush_interval_s", None)
+    return ColdStore.open(path, TINY, **kw)
+
+
+def _read_all(store, keys):
+    out = np.zeros((len(keys), TINY.page_bytes), dtype=np.uint8)
+    ok = store.get_into(keys, out)
+    return ok, out
+
+
+def _overwrite(store, keys, rounds):
+    for salt in range(rounds):
+        store.put(keys, pages_for(keys, salt), durability="group")
+    return pages_for(keys, rounds - 1)
+
+
+def test_overwrites_past_the_bound_are_compacted_and_read_back_exact(tmp_path):
+    s = _open(tmp_path / "c", max_space_amp=2.0)
+    keys = [key(i) for i in range(60)]
+    want = _overwrite(s, keys, 6)  # 6 versions: ~5/6 of the log is dead
+    before = s.space()
+    assert before["log_bytes"] > 2.0 * before["live_bytes"] and before["dead_bytes"] >= SEG
+    out = s.maybe_compact()
+    assert out is not None and out["segments_deleted"] >= 1 and out["bytes_reclaimed"] > 0
+    after = s.space()
+    assert after["log_bytes"] < before["log_bytes"]
+    # what is left: the live bytes, segments under half dead, and the active segment
+    assert after["log_bytes"] <= 2.0 * after["live_bytes"] + 2 * SEG
+    assert s.stats()["auto_compactions"] == 1
+    assert s.maybe_compact() is None  # nothing due any more
+    ok, got = _read_all(s, keys)
+    assert all(ok) and np.array_equal(got, want)
+    assert s.verify().problems == []
+    s.close()
+    s = _open(tmp_path / "c")  # and after a reopen
+    ok, got = _read_all(s, keys)
+    assert all(ok) and np.array_equal(got, want)
+    s.close()
+
+
+def test_deletes_make_space_amp_too(tmp_path):
+    s = _open(tmp_path / "c", max_space_amp=1.5)
+    keys = [key(i) for i in range(200)]
+    s.put(keys, pages_for(keys), durability="group")
+    s.delete(keys[::2], durability="group")  # every other block of every segment dies
+    assert s.maybe_compact() is not None
+    ok, got = _read_all(s, keys[1::2])
+    assert all(ok) and np.array_equal(got, pages_for(keys)[1::2])
+    assert not any(s.contains(keys[::2]))
+    s.close()
+
+
+def test_under_the_bound_nothing_runs(tmp_path):
+    s = _open(tmp_path / "c", max_space_amp=4.0)
+    keys = [key(i) for i in range(60)]
+    _overwrite(s, keys, 3)  # ~2/3 dead: amplification ~3 < 4
+    assert s.maybe_compact() is None
+    assert s.stats()["auto_compactions"] == 0
+    s.close()
+    s = _open(tmp_path / "d", max_space_amp=None)
+    _overwrite(s, keys, 6)
+    assert s.maybe_compact() is None  # off
+    s.close()
+
+
+@pytest.mark.parametrize("bad", [1.0, 0.5, -2, float("nan"), float("inf"), True, "2"])
+def test_bad_bounds_are_refused(tmp_path, bad):
+    with pytest.raises(InvalidInput, match="max_space_amp"):
+        _open(tmp_path / "c", max_space_amp=bad)
+    with pytest.raises(InvalidInput, match="max_space_amp"):
+        kvdb.open(tmp_path / "db", layout=TINY, model_id="t", host_bytes=1 << 16, max_space_amp=bad)
+
+
+def test_a_held_log_is_not_compacted_in_a_loop(tmp_path):
+    # a log reader (a replication slot) that has confirmed nothing keeps every segment: one
+    # compaction moves the live blocks out, then the next waits until the log grew a segment
+    s = _open(tmp_path / "c", max_space_amp=2.0)
+    s._retention = lambda: 0
+    keys = [key(i) for i in range(60)]
+    want = _overwrite(s, keys, 6)
+    assert s.maybe_compact() is not None
+    n_segments = s.stats()["segments"]
+    assert s.maybe_compact() is None  # held: nothing to gain until the log grows
+    assert s.stats()["segments"] == n_segments
+    more = [key(1000 + i) for i in range(120)]
+    s.put(more, pages_for(more), durability="group")  # > one segment more
+    assert s.maybe_compact() is not None  # allowed again (and finds nothing to copy)
+    ok, got = _read_all(s, keys)
+    assert all(ok) and np.array_equal(got, want)
+    s.close()
+
+
+def test_the_flusher_compacts_while_writers_run(tmp_path, monkeypatch):
+    monkeypatch.setattr(store_mod, "AUTO_COMPACT_CHECK_S", 0.0)
+    s = _open(tmp_path / "c", max_space_amp=2.0, flush_interval_s=0.005)
+    keys = [key(i) for i in range(60)]
+    errors: list[BaseException] = []
+    stop = threading.Event()
+    latest = {}
+
+    def writer():
+        salt = 0
+        try:
+            while not stop.is_set():
+                s.put(keys, pages_for(keys, salt), durability="group")
+                latest["salt"] = salt
+                salt += 1
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    t = threading.Thread(target=writer)
+    t.start()
+    deadline = time.monotonic() + 60
+    while s.stats()["auto_compactions"] < 2 and time.monotonic() < deadline and not errors:
+        time.sleep(0.01)
+    stop.set()
+    t.join()
+    assert not errors
+    assert s.stats()["auto_compactions"] >= 2
+    ok, got = _read_all(s, keys)
+    assert all(ok) and np.array_equal(got, pages_for(keys, latest["salt"]))
+    s.close()
+    s = _open(tmp_path / "c")
+    assert s.verify().problems == []
+    s.close()
+
+
+def test_the_db_compacts_its_disk_tier_by_default(tmp_path):
+    db = kvdb.open(tmp_path / "db", layout=TINY, model_id="t", host_bytes=1 << 16, disk_bytes=1 << 20)
+    cold = db._cold
+    assert cold.max_space_amp == 2.0
+    db.close()
+    db = kvdb.open(tmp_path / "db", layout=TINY, model_id="t", host_bytes=1 << 16, disk_bytes=1 << 20, max_space_amp=None)
+    assert db._cold.max_space_amp is None
+    db.close()
