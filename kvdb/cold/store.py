@@ -120,7 +120,7 @@ READ_SLICE_BYTES = 4 << 20  # raw runs are read and checked in slices of this ma
 #: the counts of the last checkpoint); ``lookup_hits`` / ``lookup_misses`` are the Db's lookups
 #: answered by this tier and answered by no tier (``count_lookups``)
 PERSISTED_COUNTERS = ("hits", "misses", "corruptions", "evictions", "puts", "deletes", "segments_deleted",
-                      "lookup_hits", "lookup_misses")
+                      "lookup_hits", "lookup_misses", "auto_compactions")
 
 
 class ColdStore:
@@ -194,8 +194,7 @@ class ColdStore:
         self._seg_live: collections.Counter = collections.Counter()  # segment -> live record bytes
         self._live_bytes = 0
         self._counters = dict.fromkeys(PERSISTED_COUNTERS, 0)
-        self._counters.update(checkpoints=0, read_errors=0, tombstones_carried=0, metadata_carried=0,
-                              auto_compactions=0)
+        self._counters.update(checkpoints=0, read_errors=0, tombstones_carried=0, metadata_carried=0)
         self._summaries: dict = {}  # sealed segment -> its SegmentSummary (segment GC, C6)
         self._gq_mu = threading.Lock()  # the group commit queue: _gq, _gq_busy
         self._gq: list[list] = []  # [items, wake-up lock, leads, error] of waiting group puts

@@ -60,6 +60,7 @@ def test_overwrites_past_the_bound_are_compacted_and_read_back_exact(tmp_path):
     s = _open(tmp_path / "c")  # and after a reopen
     ok, got = _read_all(s, keys)
     assert all(ok) and np.array_equal(got, want)
+    assert s.stats()["auto_compactions"] == 1  # saved with the other counters
     s.close()
 
 
