@@ -41,6 +41,15 @@ def key_of(round_no: int, i: int) -> bytes:
     return round_no.to_bytes(4, "little") + i.to_bytes(4, "little") + b"soak-key"
 
 
+#: a hot set rewritten across rounds: its old versions are dead bytes, so the store's automatic
+#: compaction (max_space_amp) runs while children write and are killed
+HOT_KEYS = 48
+
+
+def hot_key(h: int) -> bytes:
+    return b"hot:" + h.to_bytes(4, "little") + b"soak-key"
+
+
 def _import_cold_tier_only() -> None:
     """Make ``import kvdb.cold...`` skip kvdb/__init__.py (which imports torch, ~1.5 s a round):
     register the package by path only. The cold tier itself never needs torch."""
@@ -57,7 +66,9 @@ def _import_cold_tier_only() -> None:
 
 def child(path: str, round_no: int) -> None:
     """Write forever: batches of 1-4 blocks under ``sync`` or ``group`` (some under ``none``,
-    acknowledged by the next durable put); print each acknowledged key."""
+    acknowledged by the next durable put), three in four rewriting the hot set; print each
+    acknowledged key. The store compacts on its own (``max_space_amp``, default) as the hot
+    set's old versions pile up."""
     import numpy as np
 
     from kvdb.cold.store import ColdStore
@@ -65,27 +76,43 @@ def child(path: str, round_no: int) -> None:
     # odd rounds fsync group commits in the native committer thread (ColdStore native_commit)
     store = ColdStore.open(path, LAYOUT, segment_bytes=SEGMENT_BYTES, flush_interval_s=0.01,
                            native_commit=round_no % 2 == 1)
+    compact = store.maybe_compact
+
+    def reported_compact():  # runs in the flusher thread
+        r = compact()
+        if r is not None:
+            sys.stdout.write(f"COMPACTED {r['segments_deleted']}\n")
+            sys.stdout.flush()
+        return r
+
+    store.maybe_compact = reported_compact
     rng = random.Random(round_no)
-    pending: list[int] = []  # keys written under "none", acknowledged by the next sync
+    pending: list[bytes] = []  # keys written under "none", acknowledged by the next sync
     out = sys.stdout
     out.write("READY\n")
     out.flush()
     i = 0
     while True:
         n = rng.randint(1, 4)
-        keys = [key_of(round_no, i + j) for j in range(n)]
+        if rng.random() < 0.75:  # rewrite part of the hot set (same bytes: a page is its key's)
+            h = rng.randrange(HOT_KEYS - n + 1)
+            keys = [hot_key(h + j) for j in range(n)]
+        else:
+            keys = [key_of(round_no, i + j) for j in range(n)]
+            i += n
         pages = np.vstack([page_of(k) for k in keys])
         r = rng.random()
         durability = "sync" if r < 0.4 else "group" if r < 0.8 else "none"
         store.put(keys, pages, None, durability)
         if durability != "none":  # the ack covers every earlier record of the log as well
-            acks = [key_of(round_no, x) for x in pending] + keys
+            acks = pending + keys
             out.write("".join(f"ACK {k.hex()}\n" for k in acks))
             pending.clear()
             out.flush()
         else:
-            pending.extend(range(i, i + n))
-        i += n
+            pending.extend(keys)
+        if keys[0].startswith(b"hot:"):
+            continue
         if i % 97 == 0:
             out.write(f"DELETING {key_of(round_no, i - 50).hex()}\n")  # a kill now leaves it either way
             out.flush()
@@ -130,7 +157,7 @@ def run_soak(path: str, kills: int, seed: int = 0, min_s: float = 0.05, max_s: f
     base = path
     here = os.path.abspath(__file__)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    res = {"kills": 0, "acked": 0, "rounds_with_torn_tail": 0, "problems": []}
+    res = {"kills": 0, "acked": 0, "rounds_with_torn_tail": 0, "auto_compactions": 0, "problems": []}
     for round_no in range(kills):
         if round_no % ROUNDS_PER_STORE == 0:
             path = os.path.join(base, f"store{round_no // ROUNDS_PER_STORE}")
@@ -159,8 +186,11 @@ def run_soak(path: str, kills: int, seed: int = 0, min_s: float = 0.05, max_s: f
         for line in lines[1:]:
             if not line.endswith("\n"):
                 continue  # cut mid-line by the kill: not an acknowledgement the parent saw
-            kind, hexkey = line.split()
-            k = bytes.fromhex(hexkey)
+            kind, arg = line.split()
+            if kind == "COMPACTED":  # the child's flusher compacted (arg: segments it deleted)
+                res["auto_compactions"] += 1
+                continue
+            k = bytes.fromhex(arg)
             if kind == "DELETING":
                 acked[k] = None
             else:

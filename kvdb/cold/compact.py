@@ -86,19 +86,21 @@ def expire(store, now_ns: int | None = None) -> int:
     return n
 
 
-def compact(store, progress=None, *, min_dead_fraction: float = 0.0, now_ns: int | None = None) -> dict:
+def compact(store, progress=None, *, min_dead_fraction: float = 0.0, now_ns: int | None = None,
+            stop=None) -> dict:
     """Compact ``store``; ``progress(done_bytes, total_bytes)`` is called as live bytes move.
     Returns counts: segments_before/after, segments_deleted, records_copied, bytes_copied,
-    bytes_reclaimed, damaged_records. An I/O error fails the store (C5)."""
+    bytes_reclaimed, damaged_records. ``stop`` (a threading.Event): once set, no further chunk
+    is moved (what moved is checkpointed as usual). An I/O error fails the store (C5)."""
     store._check()
     with store.sticky_io("compaction"):
         expired = expire(store, now_ns)
-        out = _compact(store, progress, min_dead_fraction)
+        out = _compact(store, progress, min_dead_fraction, stop)
         out["ttl_expired"] = expired
         return out
 
 
-def _compact(store, progress, min_dead_fraction: float) -> dict:
+def _compact(store, progress, min_dead_fraction: float, stop=None) -> dict:
     out = {"records_copied": 0, "bytes_copied": 0, "damaged_records": 0}
     w = store._writer
     with store._ckpt_lock:
@@ -126,7 +128,7 @@ def _compact(store, progress, min_dead_fraction: float) -> dict:
             with w.lock:
                 keys = [k for k, (_lsn, _rb, seg) in store._live.items() if seg == s]
             i = 0
-            while i < len(keys):
+            while i < len(keys) and not (stop is not None and stop.is_set()):
                 chunk, nbytes = [], 0
                 while i < len(keys) and (not chunk or nbytes < CHUNK_BYTES):
                     chunk.append(keys[i])
@@ -182,7 +184,7 @@ def _move_chunk(store, segment_no: int, keys: list[bytes], out: dict) -> int:
                               p.namespace_id, p.codec, p.flags, p.raw_bytes)
             store._queue.append((loc.lsn, iv.block_key(key), iv.encode_entry(e), key))
             store._pending[key] = (loc.lsn, e)
-            store._set_live(key, loc.lsn, loc.record_bytes, loc.segment_no)
+            store._set_live(key, loc.lsn, loc.record_bytes, loc.segment_no, keep_order=True)
             moved += loc.record_bytes
         store._ckpt_log_bytes += moved
         last = w.next_lsn - 1

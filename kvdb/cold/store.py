@@ -110,6 +110,17 @@ DEFAULT_SEGMENT_BYTES = 256 << 20
 DEFAULT_MAX_SPACE_AMP = 2.0
 #: how often the flusher looks at the log's space (a directory listing)
 AUTO_COMPACT_CHECK_S = 1.0
+#: an automatic compaction copies only sealed segments at least this dead
+AUTO_MIN_DEAD_FRACTION = 0.5
+
+
+def check_space_amp(value) -> float | None:
+    """``max_space_amp`` checked: a finite number > 1, or None (no automatic compaction)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 1.0 < value < float("inf"):
+        raise InvalidInput(f"max_space_amp must be a finite number > 1 or None, got {value!r}")
+    return float(value)
 DEFAULT_CHECKPOINT_BYTES = 512 << 20
 #: group puts leave their index updates queued (readers see them in ``_pending``) until this
 #: many are waiting or the flusher, a flush or a checkpoint applies them: a RocksDB write per
@@ -163,10 +174,7 @@ class ColdStore:
                                 f"give at least {self._max_record_bytes}")
         if segment_bytes < 512:
             raise InvalidInput(f"segment_bytes must be at least 512, got {segment_bytes}")
-        if max_space_amp is not None and (isinstance(max_space_amp, bool) or not isinstance(max_space_amp, (int, float))
-                                          or not max_space_amp > 1.0 or max_space_amp == float("inf")):
-            raise InvalidInput(f"max_space_amp must be a finite number > 1 or None, got {max_space_amp!r}")
-        self.max_space_amp = None if max_space_amp is None else float(max_space_amp)
+        self.max_space_amp = check_space_amp(max_space_amp)
         self._sealed_sizes: dict[int, int] = {}  # sealed segment -> file bytes (they never change)
         self._auto_floor = 0  # maybe_compact waits until the log grows past this again
         self._auto_checked = 0.0
@@ -628,8 +636,10 @@ class ColdStore:
             self._counters["evictions"] += dropped
         return items, evict
 
-    def _set_live(self, key: bytes, lsn: int, record_bytes: int, segment_no: int) -> None:
-        old = self._live.pop(key, None)
+    def _set_live(self, key: bytes, lsn: int, record_bytes: int, segment_no: int, keep_order: bool = False) -> None:
+        """``keep_order``: a block moved by compaction keeps its place in ``_live`` (the
+        eviction order under ``disk_bytes`` is write order, not copy order)."""
+        old = self._live.get(key) if keep_order and record_bytes else self._live.pop(key, None)
         if old is not None:
             self._seg_live[old[2]] -= old[1]
             self._live_bytes -= old[1]
@@ -1068,8 +1078,10 @@ class ColdStore:
         return out
 
     def space(self) -> dict:
-        """Log bytes (all segments), live record bytes and dead bytes in sealed segments (the
-        part a compaction can reclaim). Sealed segments' sizes are cached: they never change."""
+        """Log bytes (all segments), live record bytes, dead bytes in sealed segments (what a
+        compaction could reclaim) and ``reclaimable_bytes``: the dead bytes of sealed segments
+        at least ``AUTO_MIN_DEAD_FRACTION`` dead (what an automatic compaction reclaims).
+        Sealed segments' sizes are cached: they never change."""
         self._check()
         w = self._writer
         with w.lock:
@@ -1080,7 +1092,7 @@ class ColdStore:
         sizes = self._sealed_sizes
         for gone in [x for x in list(sizes) if x not in segs]:
             sizes.pop(gone, None)
-        log_bytes = dead = 0
+        log_bytes = dead = reclaimable = 0
         for x in segs:
             if x >= active:
                 log_bytes += active_bytes if x == active else 0
@@ -1092,30 +1104,36 @@ class ColdStore:
                 except FileNotFoundError:
                     continue
             log_bytes += size
-            dead += max(0, size - SEGMENT_HEADER_BYTES - seg_live.get(x, 0))
-        return {"log_bytes": log_bytes, "live_bytes": live, "dead_bytes": dead}
+            d = max(0, size - SEGMENT_HEADER_BYTES - seg_live.get(x, 0))
+            dead += d
+            if d and d >= AUTO_MIN_DEAD_FRACTION * size:
+                reclaimable += d
+        return {"log_bytes": log_bytes, "live_bytes": live, "dead_bytes": dead, "reclaimable_bytes": reclaimable}
 
     def maybe_compact(self) -> dict | None:
-        """Compact when the log holds more than ``max_space_amp`` x the live record bytes and at
-        least one segment's worth of it is dead in sealed segments; only segments at least half
-        dead are copied (above the bound, one is). Returns the compaction's counts, or None when
-        nothing was due. After a compaction that could not bring the log under the bound (a log
-        reader holds segments, damage), the next one waits until the log has grown by another
-        segment."""
+        """Compact when the log holds more than ``max_space_amp`` x the live record bytes and
+        sealed segments at least half dead hold a segment's worth of dead bytes (only those are
+        copied, so a run copies at most as many bytes as it frees, unless a log reader holds
+        the segments or damage keeps one). Returns the compaction's counts, or None when nothing
+        was due. After a run that left the log above the bound (held segments, damage), the next
+        waits until the log is a segment larger than the smallest it has been since. A close
+        stops a run between chunks (``_stop``)."""
         amp = self.max_space_amp
         if amp is None:
             return None
         sp = self.space()
-        if sp["log_bytes"] <= amp * sp["live_bytes"] or sp["dead_bytes"] < self._writer.segment_bytes \
+        seg = self._writer.segment_bytes
+        self._auto_floor = min(self._auto_floor, sp["log_bytes"] + seg)  # the log shrank: look again sooner
+        if sp["log_bytes"] <= amp * sp["live_bytes"] or sp["reclaimable_bytes"] < seg \
                 or sp["log_bytes"] < self._auto_floor:
             return None
         from kvdb.cold.compact import compact
 
-        out = compact(self, min_dead_fraction=0.5)
+        self._count(auto_compactions=1)  # before the run's checkpoints, which save the counters
+        out = compact(self, min_dead_fraction=AUTO_MIN_DEAD_FRACTION, stop=self._stop)
         after = self.space()
         if after["log_bytes"] > amp * after["live_bytes"]:
-            self._auto_floor = after["log_bytes"] + self._writer.segment_bytes
-        self._count(auto_compactions=1)
+            self._auto_floor = after["log_bytes"] + seg
         return out
 
     def compact(self, progress=None, now_ns: int | None = None) -> dict:

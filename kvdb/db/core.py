@@ -138,7 +138,7 @@ class Db(SessionsMixin, LandingMixin, ReplicationMixin):
         # a session idle this long is ended by the mover (kvdb/db/sessions.py S1-S3)
         self._session_idle_s: float | None = None if session_idle_s is None else float(session_idle_s)
         # the disk tier compacts on its own past this space amplification (kvdb/cold/store.py)
-        self._max_space_amp = max_space_amp
+        self._max_space_amp = _check_space_amp(max_space_amp)
         self.path.mkdir(parents=True, exist_ok=True)
         self._lock_fd = self._take_lock()
         try:
@@ -814,6 +814,12 @@ class Db(SessionsMixin, LandingMixin, ReplicationMixin):
             out["hints"] = dict(self.planner.outcome_counts)
             out["plans"] = self._plans_stats()
             return out
+
+
+def _check_space_amp(value) -> float | None:
+    from kvdb.cold.store import check_space_amp  # the disk tier's own check (kvdb/cold/store.py)
+
+    return check_space_amp(value)
 
 
 def open(path: str | os.PathLike, **kwargs) -> Db:  # noqa: A001 - mirrors sqlite3.connect / rocksdb open

@@ -5,8 +5,9 @@ Model (one GPU; what each policy changes is which blocks are where, and when):
   T1  Tiers: ``device`` (``device_blocks``, managed by the policy under test, same frame
       mechanics as the sequential replay S1-S3), ``host`` (``host_blocks``, LRU) and ``disk``
       (``disk_blocks``, LRU; 0 = none, the default). A block the policy evicts from the
-      device is offloaded to host, a host victim to disk (off the critical path: written out
-      while the GPU did other work); disk victims are dropped. A block lives in one tier.
+      device is offloaded to host (to disk when there is no host tier), a host victim to disk
+      (off the critical path: written out while the GPU did other work); disk victims are
+      dropped. A block lives in one tier.
   T2  A call's prefix is served from the longest leading run of blocks present in any tier.
       Host blocks reload at ``host_bytes_per_s``; a disk block at depth j reloads at
       ``disk_bytes_per_s`` when that is cheaper than recomputing it at depth j, else it is
@@ -183,14 +184,14 @@ def timed_replay(trace: Trace, policy: str, device_blocks: int, host_blocks: int
             del table[b]
             owner[f] = None
             free.append(f)
-            if host_blocks:
+            down = b
+            if host_blocks:  # without a host tier, device victims go straight to disk
                 host[b] = None
-                if len(host) > host_blocks:
-                    down, _ = host.popitem(last=False)
-                    if disk_blocks:
-                        disk[down] = None
-                        if len(disk) > disk_blocks:
-                            disk.popitem(last=False)
+                down = host.popitem(last=False)[0] if len(host) > host_blocks else None
+            if down is not None and disk_blocks:
+                disk[down] = None
+                if len(disk) > disk_blocks:
+                    disk.popitem(last=False)
     # T5: span + accumulated TTFT (lag) + the decode of the call that ends last
     jcts = [last_finish[k] - first_arrival[k] + lag[k] - last_ttft[k] for k in last_finish]
     return TimedResult(

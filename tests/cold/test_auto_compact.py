@@ -93,8 +93,12 @@ def test_under_the_bound_nothing_runs(tmp_path):
 def test_bad_bounds_are_refused(tmp_path, bad):
     with pytest.raises(InvalidInput, match="max_space_amp"):
         _open(tmp_path / "c", max_space_amp=bad)
-    with pytest.raises(InvalidInput, match="max_space_amp"):
-        kvdb.open(tmp_path / "db", layout=TINY, model_id="t", host_bytes=1 << 16, max_space_amp=bad)
+    before = threading.active_count()
+    for disk_bytes in (None, 0):  # checked by the Db itself, before any thread starts
+        with pytest.raises(InvalidInput, match="max_space_amp"):
+            kvdb.open(tmp_path / "db", layout=TINY, model_id="t", host_bytes=1 << 16, disk_bytes=disk_bytes,
+                      max_space_amp=bad)
+    assert threading.active_count() == before
 
 
 def test_a_held_log_is_not_compacted_in_a_loop(tmp_path):
@@ -159,3 +163,101 @@ def test_the_db_compacts_its_disk_tier_by_default(tmp_path):
     db = kvdb.open(tmp_path / "db", layout=TINY, model_id="t", host_bytes=1 << 16, disk_bytes=1 << 20, max_space_amp=None)
     assert db._cold.max_space_amp is None
     db.close()
+
+
+def test_a_log_that_shrank_is_watched_again(tmp_path):
+    # held: the run cannot shrink the log, the next waits; released and checkpointed: the log
+    # shrinks, and the next overwrites past the bound are compacted without waiting for the
+    # log to regrow to its held size
+    s = _open(tmp_path / "c", max_space_amp=2.0)
+    s._retention = lambda: 0
+    keys = [key(i) for i in range(60)]
+    _overwrite(s, keys, 8)
+    assert s.maybe_compact() is not None
+    held = s.space()["log_bytes"]
+    s._retention = None
+    s.checkpoint()  # the slot let go: the dead segments go
+    assert s.space()["log_bytes"] < held / 2
+    assert s.maybe_compact() is None  # the flusher's next look: under the bound, and it saw the log shrink
+    want = _overwrite(s, keys, 4)
+    assert s.space()["log_bytes"] < held
+    assert s.maybe_compact() is not None
+    ok, got = _read_all(s, keys)
+    assert all(ok) and np.array_equal(got, want)
+    s.close()
+
+
+def test_nothing_runs_when_no_sealed_segment_is_half_dead(tmp_path):
+    # overwrite every third block: every sealed segment is about a third dead, so a run could
+    # reclaim nothing; the log may still exceed the bound through the active segment
+    s = _open(tmp_path / "c", max_space_amp=1.2)
+    keys = [key(i) for i in range(300)]
+    s.put(keys, pages_for(keys), durability="group")
+    s.put(keys[::3], pages_for(keys[::3], 1), durability="group")
+    sp = s.space()
+    assert sp["log_bytes"] > 1.2 * sp["live_bytes"] and sp["dead_bytes"] >= SEG
+    assert sp["reclaimable_bytes"] < SEG
+    assert s.maybe_compact() is None
+    assert s.stats()["auto_compactions"] == 0
+    s.close()
+
+
+def test_moved_blocks_keep_their_place_in_the_eviction_order(tmp_path):
+    # under disk_bytes the oldest written blocks go first; a compaction that moves old blocks
+    # to the head of the log must not make them younger than blocks written after them
+    s = _open(tmp_path / "c", max_space_amp=2.0, disk_bytes=64000)  # ~350 tiny records
+    old = [key(i) for i in range(40)]
+    hot = [key(1000 + i) for i in range(40)]
+    for r in range(10):  # each segment: a few old blocks among hot versions that die
+        s.put(old[4 * r:4 * r + 4], pages_for(old[4 * r:4 * r + 4]), durability="group")
+        s.put(hot, pages_for(hot, r), durability="group")
+    middle = [key(2000 + i) for i in range(100)]  # written after the old ones, dense segments
+    s.put(middle, pages_for(middle), durability="group")
+    out = s.maybe_compact()
+    assert out is not None and out["records_copied"] >= 30  # the old blocks moved to the log's head
+    assert s.stats()["evictions"] == 0
+    newer = [key(3000 + i) for i in range(220)]  # over the bound by ~47 blocks
+    for i in range(0, len(newer), 20):
+        s.put(newer[i:i + 20], pages_for(newer[i:i + 20]), durability="group")
+    assert 40 < s.stats()["evictions"] < 80
+    assert not any(s.contains(old))  # the oldest went first ...
+    assert all(s.contains(middle)) and all(s.contains(newer))  # ... not blocks written after them
+    s.close()
+
+
+def test_an_auto_compaction_survives_a_crash_in_the_counters(tmp_path):
+    s = _open(tmp_path / "c", max_space_amp=2.0)
+    keys = [key(i) for i in range(60)]
+    _overwrite(s, keys, 6)
+    assert s.maybe_compact() is not None
+    s.debug_crash_close()
+    s = _open(tmp_path / "c")
+    assert s.stats()["auto_compactions"] == 1  # saved by the run's own checkpoint
+    s.close()
+
+
+def test_close_stops_a_running_compaction_between_chunks(tmp_path, monkeypatch):
+    from kvdb.cold import compact as compact_mod
+
+    monkeypatch.setattr(compact_mod, "CHUNK_BYTES", 1)  # one block per chunk
+    s = _open(tmp_path / "c", max_space_amp=2.0)
+    keys = [key(i) for i in range(200)]
+    s.put(keys, pages_for(keys), durability="group")
+    s.delete(keys[::2], durability="group")
+    moved = []
+    real = compact_mod._move_chunk
+
+    def move_then_stop(store, seg, chunk, out):
+        moved.append(len(chunk))
+        store._stop.set()  # as close() does
+        return real(store, seg, chunk, out)
+
+    monkeypatch.setattr(compact_mod, "_move_chunk", move_then_stop)
+    out = s.maybe_compact()
+    assert out is not None and len(moved) == 1 and out["records_copied"] == 1
+    s.close()
+    s = _open(tmp_path / "c")
+    ok, got = _read_all(s, keys[1::2])
+    assert all(ok) and np.array_equal(got, pages_for(keys)[1::2])
+    assert s.verify().problems == []
+    s.close()

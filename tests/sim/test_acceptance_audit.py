@@ -311,6 +311,8 @@ def test_timed_replay_disk_tier_serves_deep_blocks():
     assert (with_disk.device_hits, with_disk.host_hits, with_disk.disk_hits) == (0, 0, 62)
     assert (with_disk.recomputed_blocks, without.recomputed_blocks, without.disk_hits) == (238, 300, 0)
     assert with_disk.ttft_mean_s < without.ttft_mean_s
+    no_host = timed_replay(t, "lru", 10, 0, disk_blocks=1000)  # device victims go straight to disk
+    assert (no_host.host_hits, no_host.disk_hits, no_host.recomputed_blocks) == (0, 62, 238)
     too_small = timed_replay(t, "lru", 10, 10, disk_blocks=50)  # A's deep blocks fell off the disk
     assert too_small.disk_hits == 0 and too_small.recomputed_blocks == 300
     with pytest.raises(InvalidInput, match="disk_blocks >= 0"):
