@@ -1132,8 +1132,8 @@ class ColdStore:
         self._count(auto_compactions=1)  # before the run's checkpoints, which save the counters
         out = compact(self, min_dead_fraction=AUTO_MIN_DEAD_FRACTION, stop=self._stop)
         after = self.space()
-        if after["log_bytes"] > amp * after["live_bytes"]:
-            self._auto_floor = after["log_bytes"] + seg
+        # a run that left the log above the bound waits for growth; one that did not, for nothing
+        self._auto_floor = after["log_bytes"] + seg if after["log_bytes"] > amp * after["live_bytes"] else 0
         return out
 
     def compact(self, progress=None, now_ns: int | None = None) -> dict:
