@@ -1048,21 +1048,14 @@ class ColdStore:
     # ------------------------------------------------------------------ reporting
 
     def stats(self) -> dict:
-        self._check()
+        sp = self.space()
         with self._writer.lock:
-            segs = list_segments(self._fs, self.wal_dir)
-            log_bytes = 0
-            for s in segs:
-                try:
-                    log_bytes += self._fs.file_bytes(os.path.join(self.wal_dir, segment_name(s)))
-                except FileNotFoundError:
-                    pass
             out = {
                 "pages": len(self._live),
                 "bytes": self._live_bytes,
                 "disk_bytes": self.disk_bytes,
-                "log_bytes": log_bytes,
-                "segments": len(segs),
+                "log_bytes": sp["log_bytes"],
+                "segments": sp["segments"],
                 "next_lsn": self._writer.next_lsn,
                 "durable_lsn": self._writer.durable_lsn,
                 "checkpoint_lsn": self._ckpt_lsn,
@@ -1090,7 +1083,8 @@ class ColdStore:
             live = self._live_bytes
             seg_live = dict(self._seg_live)
         sizes = self._sealed_sizes
-        for gone in [x for x in list(sizes) if x not in segs]:
+        present = set(segs)
+        for gone in [x for x in list(sizes) if x not in present]:
             sizes.pop(gone, None)
         log_bytes = dead = reclaimable = 0
         for x in segs:
@@ -1108,7 +1102,8 @@ class ColdStore:
             dead += d
             if d and d >= AUTO_MIN_DEAD_FRACTION * size:
                 reclaimable += d
-        return {"log_bytes": log_bytes, "live_bytes": live, "dead_bytes": dead, "reclaimable_bytes": reclaimable}
+        return {"log_bytes": log_bytes, "live_bytes": live, "dead_bytes": dead, "reclaimable_bytes": reclaimable,
+                "segments": len(segs)}
 
     def maybe_compact(self) -> dict | None:
         """Compact when the log holds more than ``max_space_amp`` x the live record bytes and
