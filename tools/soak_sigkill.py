@@ -76,21 +76,21 @@ def child(path: str, round_no: int) -> None:
     # odd rounds fsync group commits in the native committer thread (ColdStore native_commit)
     store = ColdStore.open(path, LAYOUT, segment_bytes=SEGMENT_BYTES, flush_interval_s=0.01,
                            native_commit=round_no % 2 == 1)
-    compact = store.maybe_compact
-
-    def reported_compact():  # runs in the flusher thread
-        r = compact()
-        if r is not None:
-            sys.stdout.write(f"COMPACTED {r['segments_deleted']}\n")
-            sys.stdout.flush()
-        return r
-
-    store.maybe_compact = reported_compact
     rng = random.Random(round_no)
     pending: list[bytes] = []  # keys written under "none", acknowledged by the next sync
     out = sys.stdout
     out.write("READY\n")
     out.flush()
+    compact = store.maybe_compact
+
+    def reported_compact():  # runs in the flusher thread (after READY: the parent reads that first)
+        r = compact()
+        if r is not None:
+            out.write(f"COMPACTED {r['segments_deleted']}\n")
+            out.flush()
+        return r
+
+    store.maybe_compact = reported_compact
     i = 0
     while True:
         n = rng.randint(1, 4)

@@ -151,9 +151,9 @@ class ColdStore:
         """Open (creating when missing) the cold tier under ``path``; runs recovery.
 
         ``max_space_amp``: the background flusher compacts on its own (``maybe_compact``) once
-        the log files hold more than this many times the live record bytes and at least one
-        segment's worth of dead bytes; ``None`` leaves compaction to ``compact`` /
-        ``kvdb compact``. (Without a flusher, ``flush_interval_s=None``, nothing runs on its own.)
+        the log files hold more than this many times the live record bytes and sealed segments
+        hold a segment's worth of dead bytes it can reclaim; ``None`` leaves compaction to
+        ``compact`` / ``kvdb compact``. (Without a flusher, ``flush_interval_s=None``, nothing runs on its own.)
 
         ``flush_interval_s=None`` turns the background flusher off (deterministic I/O for the
         crash tests; ``none`` writes then become durable at the next group/sync/checkpoint).
@@ -1073,7 +1073,7 @@ class ColdStore:
     def space(self) -> dict:
         """Log bytes (all segments), live record bytes, dead bytes in sealed segments (what a
         compaction could reclaim) and ``reclaimable_bytes``: the dead bytes of sealed segments
-        at least ``AUTO_MIN_DEAD_FRACTION`` dead (what an automatic compaction reclaims).
+        dead enough for an automatic compaction to copy (``_auto_dead_fraction``).
         Sealed segments' sizes are cached: they never change."""
         self._check()
         w = self._writer
@@ -1087,6 +1087,7 @@ class ColdStore:
         for gone in [x for x in list(sizes) if x not in present]:
             sizes.pop(gone, None)
         log_bytes = dead = reclaimable = 0
+        frac = self._auto_dead_fraction()
         for x in segs:
             if x >= active:
                 log_bytes += active_bytes if x == active else 0
@@ -1100,16 +1101,24 @@ class ColdStore:
             log_bytes += size
             d = max(0, size - SEGMENT_HEADER_BYTES - seg_live.get(x, 0))
             dead += d
-            if d and d >= AUTO_MIN_DEAD_FRACTION * size:
+            if d and d >= frac * size:
                 reclaimable += d
         return {"log_bytes": log_bytes, "live_bytes": live, "dead_bytes": dead, "reclaimable_bytes": reclaimable,
                 "segments": len(segs)}
 
+    def _auto_dead_fraction(self) -> float:
+        """How dead a sealed segment must be for an automatic compaction to copy it: half, or
+        less under a bound below 2 (a log above ``amp`` x live is more than 1 - 1/amp dead, so
+        some segment is at least that dead)."""
+        amp = self.max_space_amp
+        return AUTO_MIN_DEAD_FRACTION if amp is None else min(AUTO_MIN_DEAD_FRACTION, 1.0 - 1.0 / amp)
+
     def maybe_compact(self) -> dict | None:
         """Compact when the log holds more than ``max_space_amp`` x the live record bytes and
-        sealed segments at least half dead hold a segment's worth of dead bytes (only those are
-        copied, so a run copies at most as many bytes as it frees, unless a log reader holds
-        the segments or damage keeps one). Returns the compaction's counts, or None when nothing
+        sealed segments dead enough to copy (at least half, or 1 - 1/amp under a bound below 2)
+        hold a segment's worth of dead bytes (only those are copied, so with the default bound
+        a run copies at most as many bytes as it frees, unless a log reader holds the segments
+        or damage keeps one). Returns the compaction's counts, or None when nothing
         was due. After a run that left the log above the bound (held segments, damage), the next
         waits until the log is a segment larger than the smallest it has been since. A close
         stops a run between chunks (``_stop``)."""
@@ -1125,7 +1134,7 @@ class ColdStore:
         from kvdb.cold.compact import compact
 
         self._count(auto_compactions=1)  # before the run's checkpoints, which save the counters
-        out = compact(self, min_dead_fraction=AUTO_MIN_DEAD_FRACTION, stop=self._stop)
+        out = compact(self, min_dead_fraction=self._auto_dead_fraction(), stop=self._stop)
         after = self.space()
         # a run that left the log above the bound waits for growth; one that did not, for nothing
         self._auto_floor = after["log_bytes"] + seg if after["log_bytes"] > amp * after["live_bytes"] else 0
