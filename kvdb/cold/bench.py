@@ -14,8 +14,9 @@ Figures (all measured in one run, DESIGN.md "Performance"):
 * ``ceiling_sync_ops_s`` / ``ceiling_group_ops_s`` the same two workloads with no Python in the
                        way (kvdb.native.commit_ceiling: C threads, the same record size, one
                        gathering leader per fsync): what this disk and scheduler allow.
-                       ``ceiling_group_vs_sync`` is the best "group vs sync" a store could show
-                       here; ``group_vs_ceiling`` is the store's group rate against it;
+                       ``ceiling_group_vs_sync`` is the ratio that protocol reaches with no Python
+                       (a store whose ``sync`` pays Python can show a higher one);
+                       ``group_vs_ceiling`` is the store's group rate against the C one;
 * ``fsync_us``         median of a plain 4 KiB append + fdatasync on the same filesystem, taken
                        between the commit phases: the two rates above are read next to it (group
                        commit gains most when fsync is slow);

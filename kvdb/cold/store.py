@@ -112,15 +112,6 @@ DEFAULT_MAX_SPACE_AMP = 2.0
 AUTO_COMPACT_CHECK_S = 1.0
 #: an automatic compaction copies only sealed segments at least this dead
 AUTO_MIN_DEAD_FRACTION = 0.5
-
-
-def check_space_amp(value) -> float | None:
-    """``max_space_amp`` checked: a finite number > 1, or None (no automatic compaction)."""
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 1.0 < value < float("inf"):
-        raise InvalidInput(f"max_space_amp must be a finite number > 1 or None, got {value!r}")
-    return float(value)
 DEFAULT_CHECKPOINT_BYTES = 512 << 20
 #: group puts leave their index updates queued (readers see them in ``_pending``) until this
 #: many are waiting or the flusher, a flush or a checkpoint applies them: a RocksDB write per
@@ -132,6 +123,15 @@ READ_SLICE_BYTES = 4 << 20  # raw runs are read and checked in slices of this ma
 #: answered by this tier and answered by no tier (``count_lookups``)
 PERSISTED_COUNTERS = ("hits", "misses", "corruptions", "evictions", "puts", "deletes", "segments_deleted",
                       "lookup_hits", "lookup_misses", "auto_compactions")
+
+
+def check_space_amp(value) -> float | None:
+    """``max_space_amp`` checked: a finite number > 1, or None (no automatic compaction)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 1.0 < value < float("inf"):
+        raise InvalidInput(f"max_space_amp must be a finite number > 1 or None, got {value!r}")
+    return float(value)
 
 
 class ColdStore:

@@ -117,7 +117,7 @@ class Db(SessionsMixin, LandingMixin, ReplicationMixin):
         replication_transport: str | None = None,
         clock: Callable[[], float] | None = None,
         session_idle_s: float | None = 3600.0,
-        max_space_amp: float | None = 2.0,
+        max_space_amp: float | None = 2.0,  # kvdb.cold.store.DEFAULT_MAX_SPACE_AMP
     ) -> None:
         self.path = Path(path)
         # the time base of sessions, hints and planned moves (monotone seconds); injectable so
