@@ -123,7 +123,7 @@ def wal_dump_cmd(path: str, segment_no: int | None, as_json: bool) -> None:
     """Print the log's records (read-only; damaged spans are listed, never decoded)."""
     from kvdb.errors import NotFound
     from kvdb.format.record import describe, segment_name
-    from kvdb.wal.fs import OsFs
+    from kvdb.fs import OsFs
     from kvdb.wal.reader import scan_segment
     from kvdb.wal.recovery import list_segments
 

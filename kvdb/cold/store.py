@@ -98,7 +98,7 @@ from kvdb.format.record import (
     segment_name,
 )
 from kvdb.types import KEY_BYTES
-from kvdb.wal.fs import IOV_MAX, OsFs
+from kvdb.fs import IOV_MAX, OsFs
 from kvdb.wal.recovery import list_segments, recover
 from kvdb.wal.writer import LogWriter
 

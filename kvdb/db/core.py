@@ -70,7 +70,7 @@ from kvdb.keys import DEFAULT_TENANT, KeySpace, normalize_keys
 from kvdb.planner import Planner, make_policy
 from kvdb.planner.policies import REPLAY_ONLY
 from kvdb.types import DURABILITIES, BlockKey
-from kvdb.wal.fs import write_file_atomic
+from kvdb.fs import write_file_atomic
 
 KEY_SECRET_NAME = "KEY_SECRET"
 LOCK_NAME = "LOCK"

@@ -21,7 +21,7 @@ import json
 from pathlib import Path
 
 from kvdb.errors import CorruptionError, InvalidInput
-from kvdb.wal.fs import write_file_atomic
+from kvdb.fs import write_file_atomic
 
 MANIFEST_NAME = "MANIFEST.json"
 FORMAT = "kvdb-manifest"

@@ -48,7 +48,7 @@ from pathlib import Path
 
 from kvdb.errors import CorruptionError, DbLockedError, KvdbError, ReplicationError
 from kvdb.format import position
-from kvdb.wal.fs import OsFs, write_file_atomic
+from kvdb.fs import OsFs, write_file_atomic
 
 log = logging.getLogger("kvdb.replication")
 

@@ -69,11 +69,11 @@ from kvdb.format.record import (
     parse_segment_name,
     segment_name,
 )
+from kvdb.fs import write_file_atomic
 from kvdb.replication.channel import Channel, connect
 from kvdb.replication.protocol import MsgType
 from kvdb.replication.reseed import snapshot_batches
 from kvdb.replication.transport import Transport, get_transport
-from kvdb.wal.fs import write_file_atomic
 from kvdb.wal.reader import map_file, scan_segment
 
 log = logging.getLogger("kvdb.replication")

@@ -45,12 +45,12 @@ from kvdb.format.record import (
     decode_meta,
     decode_put,
 )
+from kvdb.fs import write_file_atomic
 from kvdb.replication.channel import Channel
 from kvdb.replication.protocol import ErrorCode, Message, MsgType
 from kvdb.replication.reseed import Staging, finish_swap
 from kvdb.replication.shipping import APPLIED_NAME
 from kvdb.replication.transport import Region
-from kvdb.wal.fs import write_file_atomic
 
 META_KINDS = {RecordType.SESSION: "session", RecordType.TTL: "ttl", RecordType.LEASE: "lease"}
 

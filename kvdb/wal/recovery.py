@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 from kvdb.format.index_value import Checkpoint
 from kvdb.format.record import SEGMENT_HEADER_BYTES, parse_segment_name, segment_name
-from kvdb.wal.fs import OsFs
+from kvdb.fs import OsFs
 from kvdb.wal.reader import scan_segment
 
 

@@ -61,7 +61,7 @@ from kvdb.format.record import (
     encode_segment_header,
     segment_name,
 )
-from kvdb.wal.fs import OsFs
+from kvdb.fs import OsFs
 
 _allocate_lock = threading.Lock
 _CRC = struct.Struct("<I")  # a record header's crc field (bytes 4..8)

@@ -25,7 +25,7 @@ from cold_fixtures import TINY, key, pages_for
 
 from kvdb.cold import ColdStore
 from kvdb.errors import KvdbError
-from kvdb.wal.fs import FaultFs, SimulatedCrash
+from kvdb.fs import FaultFs, SimulatedCrash
 
 KEYS = [key(i) for i in range(12)]
 

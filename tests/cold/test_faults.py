@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from kvdb.errors import DbFailedError, StorageIOError
-from kvdb.wal.fs import FaultFs
+from kvdb.fs import FaultFs
 
 from cold_fixtures import TINY, key, pages_for
 from test_crash import Model, count_points, observe, open_store, workload

@@ -19,7 +19,7 @@ from kvdb import native
 from kvdb.cold.store import ColdStore
 from kvdb.errors import DbFailedError, InvalidInput, StorageIOError
 from kvdb.format.record import RecordType, encode_meta
-from kvdb.wal.fs import OsFs
+from kvdb.fs import OsFs
 from kvdb.wal.writer import LogWriter
 
 FOLLOWERS = 7

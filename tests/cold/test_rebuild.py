@@ -17,7 +17,7 @@ from kvdb.cold import ColdStore
 from kvdb.cold.compact import compact
 from kvdb.errors import CorruptionError, InvalidInput
 from kvdb.format.record import segment_name
-from kvdb.wal.fs import FaultFs
+from kvdb.fs import FaultFs
 from kvdb.wal.recovery import list_segments
 
 from cold_fixtures import TINY, key, pages_for

@@ -9,8 +9,8 @@ import pytest
 
 from kvdb.errors import CorruptionError
 from kvdb.format.record import RecordType, check_record
+from kvdb.fs import OsFs
 from kvdb.replication.shipping import SegmentLogSource
-from kvdb.wal.fs import OsFs
 from kvdb.wal.writer import LogWriter
 
 

@@ -1,4 +1,6 @@
-"""The file layer under the log: every byte the cold tier writes to a segment goes through here.
+"""The file layer (an Env in LevelDB's sense), the lowest floor of kvdb: every byte the cold tier
+writes to a log segment goes through an ``OsFs``, and the small state files (the manifest, the key
+secret, replication's slots and positions) through ``write_file_atomic``.
 
 ``OsFs`` is the real one (os.* calls, fdatasync). ``FaultFs`` wraps it for crash and fault
 tests (STYLE.md "Tests", in the manner of LevelDB's fault-injection Env and SQLite's crash VFS):
