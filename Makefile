@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.kvdb-installed
 TORCH   := torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: demo test bench install clean native
+.PHONY: demo test test-fast bench install clean native
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -35,6 +35,11 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	HYPOTHESIS_PROFILE=$${HYPOTHESIS_PROFILE:-ci} $(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+# the fast lane: everything but the tests marked slow (soaks, crash sweeps, multi-process
+# replication) or vllm (a real vLLM); `make test` still runs all of them
+test-fast: $(STAMP)
+	HYPOTHESIS_PROFILE=$${HYPOTHESIS_PROFILE:-ci} $(BIN)/python -m pytest -q -m "not slow and not vllm" $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(BIN)/kvdb bench datapath
