@@ -9,6 +9,8 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+import pytest
+
 TOOL = Path(__file__).resolve().parents[2] / "tools" / "soak_sigkill.py"
 
 
@@ -19,6 +21,7 @@ def load_tool():
     return mod
 
 
+@pytest.mark.slow
 def test_twenty_sigkills_lose_no_acknowledged_block(tmp_path):
     soak = load_tool()
     res = soak.run_soak(str(tmp_path), kills=20, seed=7, min_s=0.02, max_s=0.12)

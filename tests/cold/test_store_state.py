@@ -15,6 +15,7 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
+import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
@@ -29,6 +30,8 @@ CAPACITY = 5  # blocks
 RECORD_BYTES = 53 + TINY.page_bytes
 NAMES = [b"s1", b"s2"]
 NOW_NS = 2  # compaction's clock: TTLs of 0..2 have passed, 3 has not
+
+pytestmark = pytest.mark.slow  # ~30-60 s: the state machine
 
 
 class ColdStoreMachine(RuleBasedStateMachine):

@@ -18,6 +18,8 @@ from kvdb.replication import Peer
 
 from .conftest import LAYOUT, SECRET, TRANSPORTS, make_blocks, make_keys
 
+pytestmark = pytest.mark.slow  # every test runs node processes: 5-15 s each
+
 
 def _fetch(addr: str, keys) -> tuple[int, torch.Tensor | None]:
     with Peer(addr, secret=SECRET, transport="tcp") as p:

@@ -207,6 +207,7 @@ def _lookup_all(addr: str, keys) -> set:
     return held
 
 
+@pytest.mark.slow
 def test_a_follower_behind_the_log_killed_mid_reseed_holds_old_or_new_and_resumes(netns, tmp_path, secret_file,
                                                                                      nodes):
     # Scenario: follower F (a kvdb replicate serve process) confirmed blocks k1. While the

@@ -49,6 +49,7 @@ def _follower_status(addr: str) -> dict:
         return p.status()["follower"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", TRANSPORTS)
 def test_two_followers_catch_up_after_one_is_killed(netns, tmp_path, secret_file, nodes, kind):
     # Scenario: a leader ships to two followers. Batch 1 (6 puts, then a delete of 2) is
