@@ -127,6 +127,7 @@ print(json.dumps(out, sort_keys=True))
 """
 
 
+@pytest.mark.slow
 def test_keys_identical_across_processes_and_hash_seeds():
     procs = []
     for seed in ("0", "4242"):  # this process, with its random seed, is the third

@@ -20,6 +20,7 @@ from __future__ import annotations
 import shutil
 
 import numpy as np
+import pytest
 import rocksdict
 from cold_fixtures import TINY, key, pages_for
 
@@ -147,6 +148,7 @@ def test_workload_without_crash_reads_back(tmp_path):
     assert rebuild_and_observe(tmp_path / "db") == want
 
 
+@pytest.mark.slow
 def test_crash_at_every_io_point(tmp_path):
     total = count_points(tmp_path)
     assert total > 40  # the workload really does I/O through the fault layer

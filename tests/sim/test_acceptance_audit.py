@@ -94,6 +94,7 @@ def _kvdb(args: list[str], env_seed: str) -> subprocess.CompletedProcess:
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_gen_and_per_request_out_are_byte_identical_across_processes(tmp_path):
     """Two processes with different string-hash seeds: ``kvdb gen`` writes the same bytes, and
     ``kvdb sim --per-request-out`` (every policy, Belady included, two capacities) too; the
