@@ -8,11 +8,41 @@
         db.put_blocks(keys, blocks)
 """
 
+import os
+from typing import Sequence
+
 from kvdb import errors
-from kvdb.buffer_pool.layout import BlockLayout
-from kvdb.db import Db, PinnedPages, open
+from kvdb.db import Db, PinnedPages
+from kvdb.format.layout import BlockLayout
 from kvdb.types import BlockKey
 
 __version__ = "0.1.0"
 
 __all__ = ["BlockKey", "BlockLayout", "Db", "PinnedPages", "errors", "open", "__version__"]
+
+
+def open(  # noqa: A001 - mirrors sqlite3.connect / rocksdb open
+    path: str | os.PathLike,
+    *,
+    peers: Sequence[str] = (),
+    replicas: Sequence[str] = (),
+    replication_secret_file: str | os.PathLike | None = None,
+    replication_transport: str | None = None,
+    **kwargs,
+) -> Db:
+    """Open (creating when new) the kvdb data directory at ``path``. See :class:`Db` for options.
+
+    Replication (kvdb/replication/, attached to the Db from above): ``peers`` ("host:port")
+    serve local lookup misses, ``replicas`` are followers the log ships to, both with the
+    shared secret in ``replication_secret_file``; ``replication_transport`` picks the data
+    plane ("auto", "mooncake", "tcp": kvdb/replication/transport.py)."""
+    db = Db(path, **kwargs)
+    if peers or replicas or replication_secret_file is not None:
+        try:
+            from kvdb.replication.attach import attach_replication  # only for a replicated Db
+
+            attach_replication(db, peers, replicas, replication_secret_file, replication_transport)
+        except BaseException:
+            db.close()
+            raise
+    return db

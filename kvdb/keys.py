@@ -39,7 +39,7 @@ import numpy as np
 import xxhash
 
 from kvdb import native
-from kvdb.buffer_pool.layout import BlockLayout
+from kvdb.format.layout import BlockLayout
 from kvdb.errors import InvalidInput
 from kvdb.types import KEY_BYTES, BlockKey
 

@@ -331,7 +331,7 @@ def test_every_engine_policy_keeps_bytes_exact(tmp_path, policy):
         ctx, _ = db.call_started("s", node_id="b", now_s=2.0)
         n = db.match_prefix(keys, ctx=ctx)
         db.put_blocks(keys[n:], b[n:], positions=list(range(n, 6)), ctx=ctx)
-        present = [k in db.pool.table for k in keys]
+        present = [k in db.pool for k in keys]
         assert sum(present) == 3
         out = torch.empty((1, *LAYOUT.block_shape))
         for i, k in enumerate(keys):
@@ -407,10 +407,10 @@ def test_durable_put_persists_a_dirty_resident_block(tmp_path):
         keys = db.block_keys(list(range(8)))
         b = blocks_for(2)
         db.put_blocks(keys, b)
-        assert db._cold.contains(keys) == [False, False]
+        assert db.cold_store.contains(keys) == [False, False]
         assert db.put_blocks(keys, b, durability="sync") == 0  # nothing new ...
-        assert db._cold.contains(keys) == [True, True]  # ... but now durable
-        assert [db.pool.tiers[1].dirty[db.pool.table[k] >> 1] for k in keys] == [0, 0]
+        assert db.cold_store.contains(keys) == [True, True]  # ... but now durable
+        assert [(db.pool.tier_of(k), db.pool.is_dirty(k)) for k in keys] == [(1, False)] * 2  # host, clean
 
 
 def test_open_under_inference_mode(tmp_path):

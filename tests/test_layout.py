@@ -1,4 +1,4 @@
-"""kvdb.buffer_pool.layout.BlockLayout: block shape, page bytes, dtype names, validation."""
+"""kvdb.format.layout.BlockLayout: block shape, page bytes, dtype names, validation."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvdb.buffer_pool.layout import DTYPE_NAMES, DTYPES_BY_NAME, BlockLayout
+from kvdb.format.layout import DTYPE_NAMES, DTYPES_BY_NAME, BlockLayout
 from kvdb.errors import InvalidInput
 
 

@@ -1,5 +1,5 @@
-"""kvdb.buffer_pool.replacer: LRU and ARC with tiny frame counts and exact victim orders,
-the invariants R1-R4 of the module docstring, and hypothesis state machines."""
+"""LRU and ARC (kvdb/planner/policies/lru.py, arc.py) with tiny frame counts and exact victim
+orders, the replacer invariants R1-R4 (kvdb/buffer_pool/replacer.py), and hypothesis state machines."""
 
 from __future__ import annotations
 
@@ -7,14 +7,14 @@ import pytest
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvdb.buffer_pool.replacer import (
+from kvdb.buffer_pool.replacer import AccessContext
+from kvdb.errors import InvalidInput
+from kvdb.planner.policies import (
     REPLACERS,
-    AccessContext,
     ArcReplacer,
     LruReplacer,
     make_replacer,
 )
-from kvdb.errors import InvalidInput
 
 
 def drain(r) -> list[int]:

@@ -18,7 +18,7 @@ import time
 
 import numpy as np
 
-from kvdb.buffer_pool.layout import BlockLayout
+from kvdb.format.layout import BlockLayout
 from kvdb.cold import ColdStore
 from kvdb.format.record import segment_name
 from kvdb.wal.reader import summarize_segment

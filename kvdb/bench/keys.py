@@ -20,7 +20,7 @@ import time
 import numpy as np
 import torch
 
-from kvdb.buffer_pool.layout import BlockLayout
+from kvdb.format.layout import BlockLayout
 from kvdb.errors import InvalidInput
 from kvdb.keys import KeySpace
 

@@ -6,8 +6,12 @@ only a *spill* callback: the Db writes spilled pages to the cold tier (kvdb/cold
 them. Everything here runs under the Db's lock; the pool itself holds no lock.
 
 Page table: one dict ``key -> code`` with ``code = frame << 1 | tier`` for every page resident
-in memory. Per-frame state lives in flat arrays (array/bytearray), not in an object per page, so
-a million resident pages cost ~150 bytes each of metadata (``kvdb bench datapath`` measures it).
+in memory. Per-frame state lives in flat arrays (array/bytearray) of each tier
+(kvdb/buffer_pool/tier.py), not in an object per page, so a million resident pages cost ~150
+bytes each of metadata (``kvdb bench datapath`` measures it). Only this module reads the table,
+decodes its codes and writes the per-frame arrays; the Db asks (``in``, ``tier_of``,
+``tiers_of``, ``keys_in``, ``is_dirty``, ``dirty_pages``, ``read_into``) and tells
+(``insert``, ``mark_clean``, ``pin``, ``promote``, ``offload``, ``delete``, ...).
 
 Invariants (tests cite them):
   P1  a key is resident in at most one tier; table[key] names a frame whose keys[] is key.
@@ -22,69 +26,29 @@ Invariants (tests cite them):
       table, nor known to the replacer, and is not counted resident; it leaves that state only
       through ``commit_host_frames`` (resident-unpinned) or ``release_host_frames`` (free).
 
-Eviction order within a tier is the replacer's (kvdb/buffer_pool/replacer.py), fed with every
-request's frames in chain order.
+Eviction order within a tier is the replacer's (the interface: kvdb/buffer_pool/replacer.py; the
+policies: kvdb/planner/policies/), fed with every request's frames in chain order.
 """
 
 from __future__ import annotations
 
-from array import array
-from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import torch
 
 from kvdb.buffer_pool.arena import Arena
-from kvdb.buffer_pool.layout import BlockLayout
 from kvdb.buffer_pool.replacer import AccessContext, Replacer
+from kvdb.buffer_pool.tier import DEVICE, HOST, TIER_NAMES, Tier, TierStats
 from kvdb.errors import CapacityError, InvalidInput
+from kvdb.format.layout import BlockLayout
 
-DEVICE, HOST = 0, 1
-TIER_NAMES = ("device", "host")
+__all__ = ["DEVICE", "HOST", "TIER_NAMES", "BufferPool", "SpillFn", "Tier", "TierStats"]
+
 
 SpillFn = Callable[[list, "torch.Tensor | None", list, list], None]
 """spill(keys, pages uint8 [n, page_bytes] on the CPU or None when no page is dirty, positions,
 dirty) for pages leaving memory."""
 
-
-@dataclass
-class TierStats:
-    hits: int = 0
-    misses: int = 0
-    evictions: int = 0
-    demotions: int = 0
-    promotions: int = 0
-    inserts: int = 0
-
-
-@dataclass
-class Tier:
-    index: int
-    arena: Arena
-    replacer: Replacer
-    free: list = field(default_factory=list)  # free frames, descending: pop() gives the lowest
-    stats: TierStats = field(default_factory=TierStats)
-
-    def __post_init__(self) -> None:
-        n = self.arena.num_frames
-        self.free = list(range(n - 1, -1, -1))
-        self.keys: list = [None] * n  # frame -> key (the same bytes object as the table's)
-        self.pins = array("i", [0]) * n  # frame -> pin count
-        self.positions = array("i", [-1]) * n  # frame -> block depth in its chain (-1 unknown)
-        self.dirty = bytearray(n)  # frame -> 1 when the page is not yet in the cold tier
-        self.reserved: set[int] = set()  # frames lent out to be written in place (P6)
-
-    @property
-    def name(self) -> str:
-        return TIER_NAMES[self.index]
-
-    @property
-    def num_frames(self) -> int:
-        return self.arena.num_frames
-
-    @property
-    def num_resident(self) -> int:
-        return self.num_frames - len(self.free) - len(self.reserved)
 
 
 class BufferPool:
@@ -109,10 +73,24 @@ class BufferPool:
         self._spill = spill
 
     # ------------------------------------------------------------ lookup
+    # Only this module reads the page table and decodes its codes; the Db asks these.
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self.table
 
     def tier_of(self, key: bytes) -> int | None:
         code = self.table.get(key)
         return None if code is None else code & 1
+
+    def tiers_of(self, keys: Sequence[bytes]) -> list[int | None]:
+        """The tier of each key (DEVICE, HOST) or None when it is not resident."""
+        get = self.table.get
+        return [None if (c := get(k)) is None else c & 1 for k in keys]
+
+    def keys_in(self, tier_index: int, keys: Sequence[bytes]) -> list[bytes]:
+        """Those of ``keys`` resident in one tier, in their order."""
+        get = self.table.get
+        return [k for k in keys if (c := get(k)) is not None and c & 1 == tier_index]
 
     def locate(self, key: bytes) -> tuple[Tier, int] | None:
         code = self.table.get(key)
@@ -122,6 +100,94 @@ class BufferPool:
 
     def top_tier(self) -> Tier:
         return self.tiers[DEVICE] or self.tiers[HOST]  # type: ignore[return-value]
+
+    @property
+    def has_device(self) -> bool:
+        return self.tiers[DEVICE] is not None
+
+    def free_frames(self, tier_index: int) -> int:
+        """Free frames of a tier (0 for an absent device tier)."""
+        t = self.tiers[tier_index]
+        return 0 if t is None else len(t.free)
+
+    def num_frames(self, tier_index: int) -> int:
+        t = self.tiers[tier_index]
+        return 0 if t is None else t.num_frames
+
+    def replacers(self) -> list[Replacer]:
+        """Each present tier's replacer, fastest first (the planner informs them)."""
+        return [t.replacer for t in self.tiers if t is not None]
+
+    def devices(self) -> set[str]:
+        """Device types of the arenas (``cpu``, ``cuda``)."""
+        return {t.arena.device.type for t in self.tiers if t is not None}
+
+    def host_arena(self) -> torch.Tensor:
+        """The host arena, uint8 [num_frames, page_bytes] (frames are lent out of it, P6)."""
+        return self.tiers[HOST].arena.data  # type: ignore[union-attr]
+
+    # ------------------------------------------------------------ dirty pages and reads
+
+    def is_dirty(self, key: bytes) -> bool:
+        """Whether a resident page is not yet in the cold tier (False when not resident)."""
+        code = self.table.get(key)
+        return code is not None and self.tiers[code & 1].dirty[code >> 1] == 1  # type: ignore[union-attr]
+
+    def mark_clean(self, keys: Sequence[bytes]) -> None:
+        """These keys' pages are in the cold tier now (keys no longer resident are skipped)."""
+        get = self.table.get
+        for k in keys:
+            code = get(k)
+            if code is not None:
+                self.tiers[code & 1].dirty[code >> 1] = 0  # type: ignore[union-attr]
+
+    def dirty_pages(self) -> tuple[list[bytes], torch.Tensor, list[int]]:
+        """Every dirty resident page, fastest tier first: (keys, pages uint8 [n, page_bytes] on
+        the CPU, positions). Nothing changes: ``mark_clean`` once they are written."""
+        items = [(k, t, f) for k, t, f in self.resident_items() if t.dirty[f]]
+        pages = torch.empty((len(items), self.page_bytes), dtype=torch.uint8)
+        for t in self.tiers:
+            if t is None:
+                continue
+            rows = [i for i, (_, tt, _) in enumerate(items) if tt is t]
+            if rows:
+                t.arena.read([items[i][2] for i in rows], pages, rows)
+        return [k for k, _, _ in items], pages, [t.positions[f] for _, t, f in items]
+
+    def read_into(self, keys: Sequence[bytes], dst: torch.Tensor, rows: Sequence[int]) -> None:
+        """dst[rows[i]] := the page of keys[i], every key resident (one copy per tier's runs);
+        counts the reads per tier. dst uint8 [m, page_bytes] on any device."""
+        per_tier: list[tuple[list, list]] = [([], []), ([], [])]
+        table = self.table
+        for k, r in zip(keys, rows):
+            c = table[k]
+            fr, rs = per_tier[c & 1]
+            fr.append(c >> 1)
+            rs.append(r)
+        for t, (fr, rs) in zip(self.tiers, per_tier):
+            if fr:
+                t.arena.read(fr, dst, rs)  # type: ignore[union-attr]
+                t.stats.reads += len(fr)  # type: ignore[union-attr]
+
+    def page(self, handle: tuple[Tier, int]) -> torch.Tensor:
+        """The uint8 [page_bytes] arena row of a pinned frame (``pin``'s handle): zero-copy."""
+        tier, frame = handle
+        return tier.arena.page(frame)
+
+    def count_lookup(self, mem_hits: Sequence[int], below: int) -> None:
+        """One lookup's hits and misses: ``mem_hits[t]`` keys found in tier t, ``below`` keys
+        that went past memory (found on disk, or the miss that ended the prefix). A key counts
+        a miss on every tier above the one that has it."""
+        dev, host = self.tiers
+        if dev is not None:
+            dev.stats.hits += mem_hits[DEVICE]
+            dev.stats.misses += mem_hits[HOST] + below
+        host.stats.hits += mem_hits[HOST]  # type: ignore[union-attr]
+        host.stats.misses += below  # type: ignore[union-attr]
+
+    def tier_stats(self) -> list[tuple[str, dict]]:
+        """(tier name, figures) per present tier, fastest first."""
+        return [(t.name, t.figures()) for t in self.tiers if t is not None]
 
     # ------------------------------------------------------------ frames
 
@@ -313,7 +379,7 @@ class BufferPool:
         host.reserved.update(frames)
         return frames
 
-    def _check_reserved(self, frames: Sequence[int]) -> Tier:
+    def check_reserved(self, frames: Sequence[int]) -> Tier:
         host: Tier = self.tiers[HOST]  # type: ignore[assignment]
         if len(set(frames)) != len(frames) or not host.reserved.issuperset(frames):
             raise InvalidInput("frames must be distinct host frames reserved with reserve_frames "
@@ -323,7 +389,7 @@ class BufferPool:
     def commit_host_frames(self, keys: list[bytes], frames: list[int], positions: Sequence[int], dirty: bool,
                            ctx: AccessContext | None = None) -> None:
         """Reserved frames become resident pages under ``keys`` (not resident anywhere)."""
-        host = self._check_reserved(frames)
+        host = self.check_reserved(frames)
         if not frames:
             return
         for key, f, p in zip(keys, frames, positions):
@@ -337,9 +403,14 @@ class BufferPool:
 
     def release_host_frames(self, frames: Sequence[int]) -> None:
         """Reserved frames go back to the free list, their bytes unread."""
-        host = self._check_reserved(frames)
+        host = self.check_reserved(frames)
         host.reserved.difference_update(frames)
         host.free.extend(sorted(frames, reverse=True))
+
+    def still_reserved(self, frames: Sequence[int]) -> list[int]:
+        """Those of ``frames`` still reserved (not yet committed or released)."""
+        reserved = self.tiers[HOST].reserved  # type: ignore[union-attr]
+        return [f for f in frames if f in reserved]
 
     # ------------------------------------------------------------ access, pins, delete
 

@@ -19,7 +19,7 @@ key_file_option = click.option("--encryption-key-file", type=click.Path(exists=T
 
 
 def _layout(path: str):
-    from kvdb.buffer_pool.layout import BlockLayout
+    from kvdb.format.layout import BlockLayout
     from kvdb.errors import InvalidInput
     from kvdb.format.manifest import read_manifest
 

@@ -21,7 +21,7 @@ def replicate() -> None:
 def _parse_layout(text: str | None):
     if text is None:
         return None
-    from kvdb.buffer_pool.layout import BlockLayout
+    from kvdb.format.layout import BlockLayout
     from kvdb.errors import InvalidInput
 
     try:

@@ -25,7 +25,7 @@ def stats_cmd(path: str, as_json: bool) -> None:
 
 
 def _one_page(path: str) -> int:
-    from kvdb.buffer_pool.layout import BlockLayout
+    from kvdb.format.layout import BlockLayout
     from kvdb.errors import InvalidInput
     from kvdb.format.manifest import read_manifest
 

@@ -40,7 +40,7 @@ import time
 import numpy as np
 
 from kvdb import native
-from kvdb.buffer_pool.layout import BlockLayout
+from kvdb.format.layout import BlockLayout
 from kvdb.cold.store import ColdStore
 from kvdb.format.record import PUT_FIXED_BYTES, RECORD_HEADER_BYTES
 

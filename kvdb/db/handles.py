@@ -2,17 +2,12 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Callable
 
 import torch
 
-from kvdb.buffer_pool.pool import TIER_NAMES, Tier
-from kvdb.errors import (
-    InvalidInput,
-)
-
-if TYPE_CHECKING:
-    from kvdb.db.core import Db
+from kvdb.buffer_pool.pool import Tier
+from kvdb.errors import InvalidInput
 
 
 class PinnedPages:
@@ -23,11 +18,11 @@ class PinnedPages:
     through a view changes the stored block: treat views as read-only.
     """
 
-    def __init__(self, db: "Db", handles: list[tuple[Tier, int]], pages: list[torch.Tensor]) -> None:
-        self._db = db
+    def __init__(self, unpin: Callable[[list], None], handles: list[tuple[Tier, int]], pages: list[torch.Tensor]) -> None:
+        self._unpin = unpin  # the Db's: takes its lock, unpins the handles
         self._handles = handles
         self.pages = pages
-        self.tiers = [TIER_NAMES[t.index] for t, _ in handles]
+        self.tiers = [t.name for t, _ in handles]
         self._released = False
 
     def __len__(self) -> int:
@@ -42,7 +37,7 @@ class PinnedPages:
     def release(self) -> None:
         if not self._released:
             self._released = True
-            self._db._unpin(self._handles)
+            self._unpin(self._handles)
 
     def __enter__(self) -> "PinnedPages":
         return self

@@ -1,19 +1,17 @@
 """Zero-copy landing: blocks written straight into reserved host-arena frames (pool invariant P6),
-then committed in place through the Db's one write path. Used by replication pushes.
+then committed in place through the Db's one write path (kvdb/db/write.py). Used by
+replication pushes.
 
-A mixin of ``kvdb.db.core.Db``.
+Part of the class ``kvdb.db.core.Db`` (a mixin; its state and lock are the Db's).
 """
 
 from __future__ import annotations
 
 from typing import Sequence
 
-from kvdb.buffer_pool.pool import HOST
 from kvdb.buffer_pool.replacer import AccessContext
 from kvdb.db.handles import ReservedFrames
-from kvdb.errors import (
-    InvalidInput,
-)
+from kvdb.errors import InvalidInput
 from kvdb.keys import normalize_keys
 
 
@@ -28,8 +26,7 @@ class LandingMixin:
             raise InvalidInput(f"reserve_frames needs a count >= 0, got {n!r}")
         with self._lock:
             self._check()
-            host = self.pool.tiers[HOST]
-            return ReservedFrames(host.arena.data, self.pool.reserve_host_frames(n))
+            return ReservedFrames(self.pool.host_arena(), self.pool.reserve_host_frames(n))
 
     @staticmethod
     def _frame_list(frames) -> list[int]:
@@ -62,7 +59,7 @@ class LandingMixin:
         fl = self._frame_list(frames)
         with self._lock:
             self._check()
-            host = self.pool._check_reserved(fl)
+            self.pool.check_reserved(fl)
         try:
             keys = normalize_keys(keys)
             n = len(keys)
@@ -70,7 +67,7 @@ class LandingMixin:
                 raise InvalidInput(f"{n} keys for {len(fl)} reserved frames")
             pos = self._check_positions(positions, n)
             durability = self._check_durability(durability)
-            arena = host.arena.data
+            arena = self.pool.host_arena()
 
             def place(rows: list[int], dirty: bool) -> None:
                 if rows:
@@ -84,5 +81,5 @@ class LandingMixin:
         except BaseException:
             with self._lock:
                 if self._state != "closed":
-                    self.pool.release_host_frames([f for f in fl if f in host.reserved])
+                    self.pool.release_host_frames(self.pool.still_reserved(fl))
             raise

@@ -11,7 +11,7 @@ Usage (the contract later checks call)::
 Tensor shapes
     transformers keeps one tensor per layer and direction, ``[batch, kv_heads, tokens, head_dim]``
     with RoPE already applied. A kvdb block is ``[layers, 2, block_tokens, kv_heads, head_dim]``
-    (kvdb/buffer_pool/layout.py). The two are related by a reshape and a permute:
+    (kvdb/format/layout.py). The two are related by a reshape and a permute:
 
         cache K of layer l, tokens [b*bt, (b+1)*bt)  ==  block b [l, 0]  permuted (t, h, d) -> (h, t, d)
 
@@ -43,7 +43,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvdb.buffer_pool.layout import DTYPES_BY_NAME, BlockLayout
+from kvdb.format.layout import DTYPES_BY_NAME, BlockLayout
 from kvdb.errors import CapacityError, InvalidInput, NotFound
 
 try:  # transformers is an optional extra: kvdb[transformers]

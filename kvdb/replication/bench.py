@@ -35,7 +35,7 @@ import time
 
 import torch
 
-from kvdb.buffer_pool.layout import BlockLayout
+from kvdb.format.layout import BlockLayout
 from kvdb.errors import ReplicationError
 from kvdb.replication.netns import netns_unavailable, private_netns
 from kvdb.replication.peer import DEFAULT_CHUNK_BYTES, DEFAULT_WINDOW

@@ -27,8 +27,10 @@ Invariants:
       (lsn L, the leader's log id: kvdb/format/position.py) inside; only then is the marker ``PATH/replication/RESEED_SWAP``
       written. With the marker present the swap (wal/, index/ and the position file moved in,
       the old ones moved aside) is rolled forward by ``finish_swap``, which ``kvdb replicate
-      serve`` runs before it opens the Db; without it a staging directory is an interrupted
-      copy and is deleted. Either way the stream then resumes (a re-seed starts over).
+      serve`` runs before it opens the Db, and every Db open runs under its lock; without it a
+      staging directory is an interrupted copy and is deleted. Either way the stream then
+      resumes (a re-seed starts over). The swap's files: kvdb/format/swap.py; the roll-forward
+      is a directory-recovery step of the Db (kvdb/db/open.py), so the Db needs nothing here.
   RS2 The copy is the leader's records, verbatim (each crc checked by the follower; sealed
       payloads stay sealed on the wire), and the copy followed by the log from L + 1 is the
       leader's state (kvdb/cold/export.py, "Snapshot consistency").
@@ -39,89 +41,22 @@ Invariants:
 
 from __future__ import annotations
 
-import fcntl
 import logging
 import os
 import shutil
 import time
 from pathlib import Path
 
-from kvdb.errors import CorruptionError, DbLockedError, KvdbError, ReplicationError
+from kvdb.db.open import finish_swap, finish_swap_locked
+from kvdb.errors import KvdbError, ReplicationError
 from kvdb.format import position
+from kvdb.format.swap import APPLIED_NAME, ASIDE_DIR, COPIED, MOVED, STAGING_DIR, SWAP_MARKER
 from kvdb.fs import OsFs, write_file_atomic
 
 log = logging.getLogger("kvdb.replication")
 
-SWAP_MARKER = "RESEED_SWAP"
-STAGING_DIR = "reseed.new"
-ASIDE_DIR = "reseed.old"
-MOVED = ("wal", "index")  # the Db's durable state (the cold tier); everything else stays
-COPIED = ("MANIFEST.json", "KEY_SECRET")  # the follower's own identity, copied into the staging Db
-APPLIED_NAME = "applied_lsn"  # the follower's position file (shipping.py)
-
-
-def _take_lock(path: Path) -> int:
-    fd = os.open(path / "LOCK", os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise DbLockedError(f"{path} is open in a Db; a re-seed swap runs only while it is closed") from None
-    return fd
-
-
-def finish_swap(path) -> bool:
-    """Finish or drop an interrupted re-seed of the Db directory ``path`` (RS1): roll the swap
-    forward when its marker is there (True), else delete a leftover staging copy (False).
-    Takes the directory's lock meanwhile (DbLockedError while a Db has it open)."""
-    path = Path(path)
-    rep = path / "replication"
-    if not any((rep / n).exists() for n in (SWAP_MARKER, STAGING_DIR, ASIDE_DIR)):
-        return False
-    fd = _take_lock(path)
-    try:
-        return finish_swap_locked(path)
-    finally:
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        os.close(fd)
-
-
-def finish_swap_locked(path) -> bool:
-    """``finish_swap`` for a caller that already holds the directory's lock (``Db`` open)."""
-    path = Path(path)
-    rep = path / "replication"
-    staging, aside, marker = rep / STAGING_DIR, rep / ASIDE_DIR, rep / SWAP_MARKER
-    if not (marker.exists() or staging.exists() or aside.exists()):
-        return False
-    fs = OsFs()
-    if not marker.exists():
-        shutil.rmtree(staging, ignore_errors=True)
-        shutil.rmtree(aside, ignore_errors=True)
-        return False
-    aside.mkdir(exist_ok=True)
-    for name in MOVED:
-        src, cur = staging / name, path / name
-        if not src.exists():
-            if not (aside / name).exists():  # moved in puts the old one aside first: the copy lost it
-                raise CorruptionError(f"{path}: the sealed re-seed copy has no {name}/ and it was never moved in; "
-                                      f"remove {rep / SWAP_MARKER} and {staging} to keep the old state")
-            continue  # moved in before the crash
-        if cur.exists():
-            if (aside / name).exists():
-                shutil.rmtree(cur)  # made by someone who opened the half-swapped directory
-            else:
-                os.rename(cur, aside / name)
-        os.rename(src, cur)
-    src = staging / "replication" / APPLIED_NAME
-    if src.exists():
-        os.replace(src, rep / APPLIED_NAME)
-    fs.sync_dir(str(path))
-    fs.sync_dir(str(rep))
-    marker.unlink()
-    fs.sync_dir(str(rep))
-    shutil.rmtree(aside, ignore_errors=True)
-    shutil.rmtree(staging, ignore_errors=True)
-    return True
+__all__ = ["APPLIED_NAME", "ASIDE_DIR", "COPIED", "MOVED", "STAGING_DIR", "SWAP_MARKER", "Staging",
+           "finish_swap", "finish_swap_locked", "snapshot_batches"]
 
 
 class Staging:

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 import numpy as np
-from kvdb.buffer_pool.layout import BlockLayout
+from kvdb.format.layout import BlockLayout
 
 #: 1 layer x 2 (k, v) x 4 tokens x 1 head x 8 dims x 2 bytes (bf16) = 128-byte pages
 TINY = BlockLayout(num_layers=1, num_kv_heads=1, head_dim=8, block_tokens=4)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvdb.buffer_pool.layout import BlockLayout
+from kvdb.format.layout import BlockLayout
 from kvdb.cold import ColdStore
 from kvdb.errors import CapacityError, DbLockedError, InvalidInput
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvdb.buffer_pool.layout import BlockLayout
+from kvdb.format.layout import BlockLayout
 from kvdb.errors import InvalidInput
 from kvdb.integrations.transformers import blocks_from_cache, cache_from_blocks, layout_for
 

@@ -17,7 +17,7 @@ import time
 import pytest
 import torch
 
-from kvdb.buffer_pool.layout import BlockLayout
+from kvdb.format.layout import BlockLayout
 from kvdb.replication.bench import die_with_parent
 from kvdb.replication.netns import netns_unavailable, private_netns
 from kvdb.replication.transport import mooncake_import_error

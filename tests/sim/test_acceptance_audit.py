@@ -286,7 +286,7 @@ def test_timed_replay_tiers_host_capacity_and_prefetch():
 
 
 def test_arc_capacity_frames_is_checked():
-    from kvdb.buffer_pool.replacer import ArcReplacer
+    from kvdb.planner.policies.arc import ArcReplacer
 
     assert ArcReplacer(8).capacity_frames == 8 and ArcReplacer(8, capacity_frames=3).capacity_frames == 3
     for bad in (0, 9):

@@ -2,6 +2,11 @@
 
 The engine and the simulator build policies through ``make_policy`` and run the same objects.
 ``belady`` is replay-only: it needs the trace's future (``future=`` the calls' block ids).
+
+Modules: ``lru`` and ``arc`` (the classic policies, also built by ``make_replacer``),
+``ordered`` (bases over ordered dicts), ``heap`` (a base over a heap of keys), ``lfu``,
+``kvflow``, ``tokencake``, ``planned`` (``kvdb``, with its next-use estimates ``gaps`` and
+``reuse``), ``belady``. The interface and its invariants R1-R4: kvdb/buffer_pool/replacer.py.
 """
 
 from __future__ import annotations
@@ -9,11 +14,13 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 from typing import Any
 
-from kvdb.buffer_pool.replacer import ArcReplacer, LruReplacer, Replacer
+from kvdb.buffer_pool.replacer import Replacer
 from kvdb.errors import InvalidInput
+from kvdb.planner.policies.arc import ArcReplacer
 from kvdb.planner.policies.belady import BeladyReplacer
 from kvdb.planner.policies.kvflow import KvflowReplacer
 from kvdb.planner.policies.lfu import LfuReplacer
+from kvdb.planner.policies.lru import LruReplacer
 from kvdb.planner.policies.planned import PlannedReplacer
 from kvdb.planner.policies.tokencake import TokencakeReplacer
 
@@ -27,6 +34,7 @@ POLICIES: dict[str, type[Replacer]] = {
     "belady": BeladyReplacer,
 }
 REPLAY_ONLY = frozenset({"belady"})
+REPLACERS: dict[str, type[Replacer]] = {"lru": LruReplacer, "arc": ArcReplacer}  # the classic ones
 
 
 def make_policy(name: str, num_frames: int, *, future: Sequence[Sequence[Hashable]] | None = None,
@@ -40,13 +48,26 @@ def make_policy(name: str, num_frames: int, *, future: Sequence[Sequence[Hashabl
     return cls(num_frames, **options)
 
 
+def make_replacer(name: str, num_frames: int) -> Replacer:
+    """A classic policy (``REPLACERS``) with its defaults."""
+    try:
+        cls = REPLACERS[name]
+    except KeyError:
+        raise InvalidInput(f"unknown replacer {name!r}; one of {sorted(REPLACERS)}") from None
+    return cls(num_frames)
+
+
 __all__ = [
     "POLICIES",
+    "REPLACERS",
     "REPLAY_ONLY",
+    "ArcReplacer",
     "BeladyReplacer",
     "KvflowReplacer",
     "LfuReplacer",
+    "LruReplacer",
     "PlannedReplacer",
     "TokencakeReplacer",
     "make_policy",
+    "make_replacer",
 ]

@@ -14,8 +14,8 @@ import math
 from collections import OrderedDict
 from typing import Any
 
-from kvdb.buffer_pool.replacer import LruOrderedReplacer
 from kvdb.planner.events import CallFinished, CallStarted, SessionBegan, SessionEnded
+from kvdb.planner.policies.ordered import LruOrderedReplacer
 from kvdb.planner.workflow import Workflow
 
 Group = tuple  # (session_id, agent_id)

@@ -15,8 +15,8 @@ import heapq
 from collections import OrderedDict
 from typing import Any
 
-from kvdb.buffer_pool.replacer import LruOrderedReplacer
 from kvdb.planner.events import CallStarted, HintGiven, SessionEnded
+from kvdb.planner.policies.ordered import LruOrderedReplacer
 
 RELOAD_LEAD_S = 1.0
 

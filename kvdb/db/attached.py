@@ -1,0 +1,79 @@
+"""What layers above the Db attach to it: replication (kvdb/replication/attach.py).
+
+Part of the class ``kvdb.db.core.Db`` (a mixin). The Db imports nothing from those layers;
+``kvdb.open(..., peers=, replicas=)`` opens the Db, then attaches the replication layer's
+object with ``attach_replication``. The Db then
+
+* forwards ``push`` / ``sync_replicas`` / ``reseed_replica`` / ``replication_status`` to it
+  (InvalidInput while nothing is attached);
+* after a lookup that found only ``local`` leading keys, asks the attached ``on_miss(keys,
+  local)`` for more (it stores what it finds through the Db's own API and returns how many
+  leading keys are local now; ``stats()["remote_hits"]`` counts the difference);
+* closes it in ``close``, once the mover has stopped and before dirty pages are written back
+  and the cold tier closes.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from kvdb.errors import InvalidInput
+from kvdb.keys import normalize_keys
+from kvdb.types import DURABILITIES
+
+
+class AttachedMixin:
+    def _init_attached(self) -> None:
+        self._replication = None  # the attached replication object (push, sync_replicas, reseed, status, close)
+        self._on_miss: Callable[[list, int], int] | None = None
+        self._remote_hits = 0
+
+    def attach_replication(self, replication, *, on_miss: Callable[[list, int], int] | None = None) -> None:
+        """Attach the replication layer's object (once); ``on_miss`` serves lookup misses."""
+        self._check()
+        if self._replication is not None:
+            raise InvalidInput("this Db already has replication attached")
+        self._replication = replication
+        self._on_miss = on_miss
+
+    def _on_lookup_miss(self, keys: list, local: int) -> int:
+        if self._on_miss is None:
+            return local
+        now = self._on_miss(keys, local)
+        self._remote_hits += now - local
+        return now
+
+    def _close_attached(self) -> None:
+        replication, self._replication, self._on_miss = getattr(self, "_replication", None), None, None
+        if replication is not None:
+            replication.close()
+
+    def push(self, keys, peer: str, *, durability: str = "sync"):
+        """Send the stored blocks of ``keys`` to ``peer`` ("host:port" of a ``kvdb replicate
+        serve`` node or a Db with replication); returns when they are durable there."""
+        self._check()
+        if durability not in DURABILITIES:
+            raise InvalidInput(f"durability must be one of {DURABILITIES}, got {durability!r}")
+        return self._need_replication().push(normalize_keys(keys), peer, durability=durability)
+
+    def sync_replicas(self, timeout_s: float = 30.0) -> int:
+        """Wait until every follower confirmed everything written so far; returns that LSN.
+        ReplicationError names the followers still behind after ``timeout_s``."""
+        self._check()
+        return self._need_replication().sync_replicas(timeout_s)
+
+    def reseed_replica(self, addr: str) -> None:
+        """Replace follower ``addr``'s state by a full copy of this Db, then stream the log from
+        there (also when it holds another leader's log); one only behind the log is re-seeded
+        without asking. Progress: ``replication_status()["followers"][i]["reseed"]``."""
+        self._check()
+        self._need_replication().reseed(addr)
+
+    def replication_status(self) -> dict:
+        self._check()
+        return self._need_replication().status()
+
+    def _need_replication(self):
+        if self._replication is None:
+            raise InvalidInput("this Db has no replication: open it with replication_secret_file= (and peers= / replicas=)")
+        return self._replication

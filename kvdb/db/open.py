@@ -1,0 +1,231 @@
+"""Opening a Db directory: the lock, the key secret, the manifest, recovery steps, the options.
+
+Data directory
+    PATH/LOCK           an exclusive ``flock`` held while a Db has PATH open (any process, any
+                        thread); taken without waiting: DbLockedError when someone holds it.
+                        The file itself is empty and stays.
+    PATH/KEY_SECRET     32 random bytes (mode 0600) made at the first open when no
+                        ``key_secret`` is given: salts tenant namespaces (kvdb/keys.py). The
+                        manifest records an HMAC id of the secret, never the secret.
+    PATH/MANIFEST.json  layout, model id, key parameters (kvdb/format/manifest.py)
+    PATH/wal/, PATH/index/  the cold tier (kvdb/cold/), when the disk tier is enabled
+    PATH/replication/   replication's state; a re-seed's swap files (kvdb/format/swap.py)
+
+Open, in order (``Db.__init__``), each step under the lock
+    1. take the lock;
+    2. roll an interrupted re-seed swap forward or drop it (``finish_swap_locked``, RS1);
+    3. load (or make) the key secret, then read the manifest -- a new directory writes one from
+       ``layout`` and ``model_id``, an existing one must match what the caller passes;
+    4. build the pool, the planner and the mover, then open the cold tier (which recovers its
+       log: kvdb/cold/).
+A failure at any step drops the lock and raises; nothing the steps wrote is half made (the
+manifest and the secret are written atomically, the swap rolls forward from any step).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import hmac
+import math
+import os
+import secrets
+import shutil
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from kvdb.buffer_pool.arena import cuda_available
+from kvdb.buffer_pool.replacer import Replacer
+from kvdb.cold.store import ColdStore, check_space_amp
+from kvdb.errors import CorruptionError, DbLockedError, InvalidInput
+from kvdb.format.layout import BlockLayout
+from kvdb.format.manifest import read_manifest, write_manifest
+from kvdb.format.swap import APPLIED_NAME, ASIDE_DIR, MOVED, REPLICATION_DIR, STAGING_DIR, SWAP_MARKER
+from kvdb.fs import OsFs, write_file_atomic
+from kvdb.keys import KeySpace
+from kvdb.planner import make_policy
+from kvdb.planner.policies import REPLAY_ONLY
+from kvdb.types import DURABILITIES
+
+KEY_SECRET_NAME = "KEY_SECRET"
+LOCK_NAME = "LOCK"
+
+
+# ---------------------------------------------------------------------- the lock
+
+def take_lock(path: Path, busy: str | None = None) -> int:
+    """Take PATH/LOCK; its fd (release with ``drop_lock``). DbLockedError when held."""
+    fd = os.open(path / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise DbLockedError(busy or f"{path} is already open (another process or another Db in this one); "
+                            "close it first or use a different path") from None
+    return fd
+
+
+def drop_lock(fd: int) -> None:
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    os.close(fd)
+
+
+# ---------------------------------------------------------------------- the re-seed swap (RS1)
+
+def finish_swap(path) -> bool:
+    """Finish or drop an interrupted re-seed of the Db directory ``path`` (RS1): roll the swap
+    forward when its marker is there (True), else delete a leftover staging copy (False).
+    Takes the directory's lock meanwhile (DbLockedError while a Db has it open)."""
+    path = Path(path)
+    rep = path / REPLICATION_DIR
+    if not any((rep / n).exists() for n in (SWAP_MARKER, STAGING_DIR, ASIDE_DIR)):
+        return False
+    fd = take_lock(path, f"{path} is open in a Db; a re-seed swap runs only while it is closed")
+    try:
+        return finish_swap_locked(path)
+    finally:
+        drop_lock(fd)
+
+
+def finish_swap_locked(path) -> bool:
+    """``finish_swap`` for a caller that already holds the directory's lock (``Db`` open)."""
+    path = Path(path)
+    rep = path / REPLICATION_DIR
+    staging, aside, marker = rep / STAGING_DIR, rep / ASIDE_DIR, rep / SWAP_MARKER
+    if not (marker.exists() or staging.exists() or aside.exists()):
+        return False
+    fs = OsFs()
+    if not marker.exists():
+        shutil.rmtree(staging, ignore_errors=True)
+        shutil.rmtree(aside, ignore_errors=True)
+        return False
+    aside.mkdir(exist_ok=True)
+    for name in MOVED:
+        src, cur = staging / name, path / name
+        if not src.exists():
+            if not (aside / name).exists():  # moved in puts the old one aside first: the copy lost it
+                raise CorruptionError(f"{path}: the sealed re-seed copy has no {name}/ and it was never moved in; "
+                                      f"remove {rep / SWAP_MARKER} and {staging} to keep the old state")
+            continue  # moved in before the crash
+        if cur.exists():
+            if (aside / name).exists():
+                shutil.rmtree(cur)  # made by someone who opened the half-swapped directory
+            else:
+                os.rename(cur, aside / name)
+        os.rename(src, cur)
+    src = staging / REPLICATION_DIR / APPLIED_NAME
+    if src.exists():
+        os.replace(src, rep / APPLIED_NAME)
+    fs.sync_dir(str(path))
+    fs.sync_dir(str(rep))
+    marker.unlink()
+    fs.sync_dir(str(rep))
+    shutil.rmtree(aside, ignore_errors=True)
+    shutil.rmtree(staging, ignore_errors=True)
+    return True
+
+
+# ---------------------------------------------------------------------- secret and manifest
+
+def key_secret_id(secret: bytes) -> str:
+    return hmac.new(secret, b"kvdb key secret id", hashlib.sha256).hexdigest()[:32]
+
+
+def load_secret(path: Path, key_secret: bytes | None) -> bytes:
+    """The caller's secret, else PATH/KEY_SECRET, made on first use. Caller holds the lock."""
+    p = path / KEY_SECRET_NAME
+    if key_secret is not None:
+        if not isinstance(key_secret, (bytes, bytearray)) or len(key_secret) < 16:
+            raise InvalidInput("key_secret must be at least 16 bytes")
+        return bytes(key_secret)
+    try:
+        return p.read_bytes()
+    except FileNotFoundError:
+        secret = secrets.token_bytes(32)
+        write_file_atomic(p, secret, mode=0o600)  # we hold the directory lock: no race
+        return secret
+
+
+def open_keyspace(path: Path, layout, model_id, key_secret: bytes | None, key_algo: str,
+                  ns_extra: dict) -> tuple[KeySpace, BlockLayout, str]:
+    """Write the manifest of a new directory, or check the caller's options against an
+    existing one's; the directory's (KeySpace, layout, model id) either way. Caller holds the lock."""
+    manifest = read_manifest(path)
+    secret = load_secret(path, key_secret)
+    if manifest is None:
+        if layout is None or model_id is None:
+            raise InvalidInput(f"{path} is a new data directory: pass layout= and model_id=")
+        if not isinstance(layout, BlockLayout):
+            raise InvalidInput(f"layout must be a kvdb.BlockLayout, got {type(layout).__name__}")
+        fields = dict(model_id=model_id, layout=layout.to_dict(), key_algo=key_algo,
+                      key_secret_id=key_secret_id(secret), **ns_extra)
+        KeySpace(model_id=model_id, layout=layout, key_secret=secret, algo=key_algo, **ns_extra)  # validates
+        write_manifest(path, fields)
+    else:
+        stored = BlockLayout.from_dict(manifest["layout"])
+        if layout is not None and layout != stored:
+            raise InvalidInput(f"{path} holds layout {stored}, not {layout}; open it with its own layout")
+        if model_id is not None and model_id != manifest["model_id"]:
+            raise InvalidInput(f"{path} holds model {manifest['model_id']!r}, not {model_id!r}")
+        if manifest.get("key_secret_id") != key_secret_id(secret):
+            raise InvalidInput(f"{path} was written with a different key secret; pass the same key_secret")
+        for k, v in ns_extra.items():
+            if v is not None and v != manifest.get(k):
+                raise InvalidInput(f"{path} holds {k}={manifest.get(k)!r}, not {v!r}")
+        layout, model_id, key_algo = stored, manifest["model_id"], manifest.get("key_algo", "sha256")
+        ns_extra = {k: manifest.get(k) for k in ns_extra}
+    return KeySpace(model_id=model_id, layout=layout, key_secret=secret, algo=key_algo, **ns_extra), layout, model_id
+
+
+# ---------------------------------------------------------------------- options
+
+def check_options(durability: str, host_bytes, device_bytes, session_idle_s, max_space_amp) -> float | None:
+    """The options checked before anything touches the directory; the checked max_space_amp
+    (the disk tier compacts on its own past it: kvdb/cold/store.py)."""
+    if durability not in DURABILITIES:
+        raise InvalidInput(f"durability must be one of {DURABILITIES}, got {durability!r}")
+    for name, v in (("host_bytes", host_bytes), ("device_bytes", device_bytes)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise InvalidInput(f"{name} must be an int >= 0, got {v!r}")
+    if session_idle_s is not None and (isinstance(session_idle_s, bool) or not isinstance(session_idle_s, (int, float))
+                                       or not math.isfinite(session_idle_s) or session_idle_s <= 0):
+        raise InvalidInput(f"session_idle_s must be a positive finite number of seconds or None (sessions never "
+                           f"expire), got {session_idle_s!r}")
+    return check_space_amp(max_space_amp)
+
+
+def replacer_factory(replacer: str | Callable[[int], Replacer]) -> Callable[[int], Replacer]:
+    """``make_replacer(num_frames)`` for the pool from a policy name (kvdb/planner/policies/)."""
+    if callable(replacer):
+        return replacer
+    name = replacer
+    if name in REPLAY_ONLY:
+        raise InvalidInput(f"policy {name!r} needs the future and runs only in replay (kvdb sim)")
+    # the engine reports call_finished when a call really ends, so the planned policy adds no
+    # assumed call duration of its own (the simulator, which sees only arrivals, uses the default)
+    opts = {"llm_call_s": 0.0} if name == "kvdb" else {}
+    make_policy(name, 1, **opts)  # validates the name now
+    return lambda n: make_policy(name, n, **opts)
+
+
+def pick_device(device) -> torch.device:
+    if device is None:
+        return torch.device("cuda") if cuda_available() else torch.device("cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not cuda_available():
+        raise InvalidInput("device='cuda' asked for but CUDA is not available; use device='cpu' or None")
+    if dev.type not in ("cuda", "cpu"):
+        raise InvalidInput(f"unsupported device {dev}; use 'cuda' or 'cpu'")
+    return dev
+
+
+def open_cold(path: Path, layout: BlockLayout, disk_bytes, codec, encryption_key_file, max_space_amp):
+    """The disk tier (kvdb/cold/), or None when it is off (``disk_bytes=0``)."""
+    if disk_bytes == 0:
+        if encryption_key_file is not None:
+            raise InvalidInput("encryption_key_file needs the disk tier (disk_bytes != 0)")
+        return None
+    return ColdStore.open(path, layout, disk_bytes=disk_bytes, encryption_key_file=encryption_key_file,
+                          codec=codec, default_durability="group", max_space_amp=max_space_amp)
