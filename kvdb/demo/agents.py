@@ -19,7 +19,7 @@ tier, capacities far below the workflow's KV so that blocks move down (device ->
 disk) and come back. Eviction is the planner's ``kvdb`` policy, fed by the Db's session API:
 each agent is a session, each call a ``call_started`` / ``call_finished`` with hints (the
 expected tool wait after it), each tool start a ``hint``. The Db acts on that plan by itself
-(kvdb/db/sessions.py): a waiting agent's blocks go down when the device tier is full and
+(kvdb/db/plans/): a waiting agent's blocks go down when the device tier is full and
 come back before its predicted return; the demo never moves a block. Time is a virtual clock
 given to the Db (tool waits are not slept; LLM calls advance it by their measured duration):
 when a tool returns the demo moves the clock and lets the Db run the moves then due

@@ -15,7 +15,7 @@ Session states (a session id can be reused after it ended)::
 
     (unknown) --begin_session--> OPEN --end_session--> (unknown)
                                   |
-                                  +--expire_session (idle: the Db's mover, kvdb/db/sessions.py)--> (unknown)
+                                  +--expire_session (idle: the Db's mover, kvdb/db/plans/expiry.py)--> (unknown)
     call_started / call_finished / hint on an unknown id: NotFound, except call_started,
     which opens the session implicitly (Mooncake traces carry no session lines).
     An expired session is an ended one (the same ``SessionEnded`` event); the planner only
@@ -47,7 +47,7 @@ EXPIRED_KEPT = 1024  # expired ids remembered for NotFound's message (a bounded 
 @dataclass
 class CallContext(AccessContext):
     """The AccessContext of one call from ``call_started``: also names the agent and node, so
-    the engine can tell which agent's chain the call's blocks form (kvdb/db/sessions.py)."""
+    the engine can tell which agent's chain the call's blocks form (kvdb/db/plans/chains.py)."""
 
     agent_id: str | None = None
     node_id: str | None = None

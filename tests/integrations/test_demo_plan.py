@@ -1,4 +1,4 @@
-"""``kvdb demo`` relies on the Db's plan (kvdb/db/sessions.py): it never moves a block itself."""
+"""``kvdb demo`` relies on the Db's plan (kvdb/db/plans/): it never moves a block itself."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""The engine acting on the plan (kvdb/db/sessions.py E1-E4, X1-X3): a real two-tier Db (the
-device tier is a CPU arena standing in for the GPU), time driven by an injected clock."""
+"""The engine acting on the plan (kvdb/db/plans/: waits.py E1-E4, prefixes.py X1-X3): a real
+two-tier Db (the device tier is a CPU arena standing in for the GPU), time driven by an injected
+clock."""
 
 from __future__ import annotations
 

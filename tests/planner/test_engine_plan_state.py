@@ -1,5 +1,5 @@
-"""Property test of the engine's plans (kvdb/db/sessions.py E1-E4, X1-X3): random sessions,
-calls, tool waits, prefix hints, deletes and clock moves against a dict model of what is
+"""Property test of the engine's plans (kvdb/db/plans/: waits.py E1-E4, prefixes.py X1-X3):
+random sessions, calls, tool waits, prefix hints, deletes and clock moves against a dict model of what is
 stored. Whatever the plan moves, nothing is lost and no byte changes (E4), the Db's prefix
 pins are exactly accounted for and released with the last session (X1), and no timer
 outlives its wait (E3)."""

@@ -1,4 +1,4 @@
-"""Idle expiry of sessions (kvdb/db/sessions.py S1-S3): a session nobody ends is ended by the
+"""Idle expiry of sessions (kvdb/db/plans/expiry.py S1-S3): a session nobody ends is ended by the
 Db's mover once idle, exactly as end_session ends it. Time is an injected clock."""
 
 from __future__ import annotations
