@@ -70,7 +70,7 @@ class DbMachine(RuleBasedStateMachine):
     def _present(self, i: int) -> bool:
         if self.DISK:
             return self.keys[i] in self.model
-        return self.keys[i] in self.db.pool.table
+        return self.keys[i] in self.db.pool
 
     @rule(idx=st.lists(st.integers(0, NUM_KEYS - 1), min_size=1, max_size=5, unique=True))
     @precondition(lambda self: self.db is not None)
@@ -107,7 +107,7 @@ class DbMachine(RuleBasedStateMachine):
         n = self.db.match_prefix(keys)
         expect = 0
         for k in keys:
-            if not (k in self.model if self.DISK else k in self.db.pool.table):
+            if not (k in self.model if self.DISK else k in self.db.pool):
                 break
             expect += 1
         assert n == expect
@@ -144,7 +144,7 @@ class DbMachine(RuleBasedStateMachine):
             return
         self.db.delete([self.keys[i]])
         self.model.pop(self.keys[i], None)
-        assert self.keys[i] not in self.db.pool.table
+        assert self.keys[i] not in self.db.pool
         assert self.db.match_prefix([self.keys[i]]) == 0
 
     @rule(n=st.integers(0, 3))
@@ -232,7 +232,7 @@ class DbMachine(RuleBasedStateMachine):
             lent = {f for res, _ in self.landing for f in res.frames} if t.index == 1 else set()
             assert t.reserved == lent
             for f in keyed:
-                assert pool.table[t.keys[f]] == (f << 1 | t.index)  # P1
+                assert pool.locate(t.keys[f]) == (t, f)  # P1
             assert t.replacer.num_evictable() == sum(1 for f in keyed if t.pins[f] == 0)
             resident += len(keyed)
         assert resident == len(pool.table)

@@ -75,5 +75,6 @@ class AttachedMixin:
 
     def _need_replication(self):
         if self._replication is None:
-            raise InvalidInput("this Db has no replication: open it with replication_secret_file= (and peers= / replicas=)")
+            raise InvalidInput("this Db has no replication: open it with replication_secret_file= "
+                               "(and peers= / replicas=)")
         return self._replication

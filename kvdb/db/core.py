@@ -45,11 +45,20 @@ import torch
 
 from kvdb.buffer_pool.pool import BufferPool
 from kvdb.buffer_pool.replacer import Replacer
-from kvdb.db import open as dbopen
 from kvdb.db.attached import AttachedMixin
 from kvdb.db.landing import LandingMixin
 from kvdb.db.mover import Mover
 from kvdb.db.moves import MovesMixin
+from kvdb.db.open import (
+    check_options,
+    drop_lock,
+    finish_swap_locked,
+    open_cold,
+    open_keyspace,
+    pick_device,
+    replacer_factory,
+    take_lock,
+)
 from kvdb.db.plans import PlansMixin
 from kvdb.db.read import ReadMixin
 from kvdb.db.write import WriteMixin
@@ -101,14 +110,13 @@ class Db(WriteMixin, ReadMixin, MovesMixin, LandingMixin, PlansMixin, AttachedMi
         self._lock_fd: int | None = None
         self._init_attached()
         # the disk tier compacts on its own past this space amplification (kvdb/cold/store.py)
-        self._max_space_amp = dbopen.check_options(durability, host_bytes, device_bytes, session_idle_s,
-                                                   max_space_amp)
+        self._max_space_amp = check_options(durability, host_bytes, device_bytes, session_idle_s, max_space_amp)
         # a session idle this long is ended by the mover (kvdb/db/plans/expiry.py S1-S3)
         self._session_idle_s: float | None = None if session_idle_s is None else float(session_idle_s)
         self.path.mkdir(parents=True, exist_ok=True)
-        self._lock_fd = dbopen.take_lock(self.path)
+        self._lock_fd = take_lock(self.path)
         try:
-            dbopen.finish_swap_locked(self.path)  # a re-seed a crash interrupted: roll it forward or drop it (RS1)
+            finish_swap_locked(self.path)  # a re-seed a crash interrupted: roll it forward or drop it (RS1)
             self._open(
                 layout, model_id, host_bytes, device_bytes, device, replacer, key_secret, key_algo,
                 dict(model_revision=model_revision, tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size),
@@ -126,8 +134,8 @@ class Db(WriteMixin, ReadMixin, MovesMixin, LandingMixin, PlansMixin, AttachedMi
         """Steps 3-4 of the open (kvdb/db/open.py), under the directory's lock."""
         if not 0.0 <= device_free_fraction < 1.0:
             raise InvalidInput(f"device_free_fraction must be in [0, 1), got {device_free_fraction!r}")
-        self.keyspace, self.layout, self.model_id = dbopen.open_keyspace(self.path, layout, model_id, key_secret,
-                                                                         key_algo, ns_extra)
+        self.keyspace, self.layout, self.model_id = open_keyspace(self.path, layout, model_id, key_secret,
+                                                                  key_algo, ns_extra)
         self.default_durability = durability
 
         page = self.layout.page_bytes
@@ -137,8 +145,8 @@ class Db(WriteMixin, ReadMixin, MovesMixin, LandingMixin, PlansMixin, AttachedMi
             raise CapacityError(f"host_bytes={host_bytes} holds no page of {page} bytes; give at least {page}")
         if device_bytes and device_frames < 1:
             raise CapacityError(f"device_bytes={device_bytes} holds no page of {page} bytes; give 0 or at least {page}")
-        dev = dbopen.pick_device(device) if device_frames else None
-        factory = dbopen.replacer_factory(replacer)
+        dev = pick_device(device) if device_frames else None
+        factory = replacer_factory(replacer)
         self.pool = BufferPool(self.layout, host_frames=host_frames, device_frames=device_frames, device=dev,
                                make_replacer=factory, spill=self._spill)
         # the planner sees sessions, workflows and hints and informs every tier's replacer
@@ -152,8 +160,7 @@ class Db(WriteMixin, ReadMixin, MovesMixin, LandingMixin, PlansMixin, AttachedMi
         self._init_plans()
         self._init_moves(device_frames, device_free_fraction)
         self._cold = None
-        self._cold = dbopen.open_cold(self.path, self.layout, disk_bytes, codec, encryption_key_file,
-                                      self._max_space_amp)
+        self._cold = open_cold(self.path, self.layout, disk_bytes, codec, encryption_key_file, self._max_space_amp)
         if self._cold is not None:  # the disk tier's counters survive a reopen (saved by the store)
             saved = self._cold.stats()
             self._disk_hits, self._lookup_misses = saved["lookup_hits"], saved["lookup_misses"]
@@ -161,7 +168,7 @@ class Db(WriteMixin, ReadMixin, MovesMixin, LandingMixin, PlansMixin, AttachedMi
 
     def _drop_lock(self) -> None:
         if self._lock_fd is not None:
-            dbopen.drop_lock(self._lock_fd)
+            drop_lock(self._lock_fd)
             self._lock_fd = None
 
     @property

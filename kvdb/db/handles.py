@@ -18,7 +18,8 @@ class PinnedPages:
     through a view changes the stored block: treat views as read-only.
     """
 
-    def __init__(self, unpin: Callable[[list], None], handles: list[tuple[Tier, int]], pages: list[torch.Tensor]) -> None:
+    def __init__(self, unpin: Callable[[list], None], handles: list[tuple[Tier, int]],
+                 pages: list[torch.Tensor]) -> None:
         self._unpin = unpin  # the Db's: takes its lock, unpins the handles
         self._handles = handles
         self.pages = pages

@@ -40,7 +40,7 @@ def _check_pool(db) -> tuple[int, int, int]:
     assert t.num_resident == len(keyed) == len(db.pool.table)
     assert t.replacer.num_evictable() == sum(1 for f in keyed if t.pins[f] == 0)
     for f in keyed:
-        assert db.pool.table[t.keys[f]] == (f << 1 | HOST)
+        assert db.pool.locate(t.keys[f]) == (t, f)  # P1
     return len(keyed), len(free), len(reserved)
 
 
@@ -73,7 +73,7 @@ def test_reserve_commit_release_accounting(tmp_path):
         assert db.match_prefix(keys) == 0
         assert db.commit_frames(keys, res, durability="none") == 3
         assert _check_pool(db) == (3, 5, 0)
-        assert [db.pool.table[k] >> 1 for k in keys] == [0, 1, 2]
+        assert [db.pool.locate(k)[1] for k in keys] == [0, 1, 2]
         assert torch.equal(_stored(db, keys), blocks)
         assert db.stats()["tiers"]["host"]["inserts"] == 3
 
@@ -100,10 +100,10 @@ def test_reserve_evicts_like_a_put_and_is_all_or_nothing(tmp_path):
         blocks, keys = make_blocks(4, seed=3), make_keys(4, tag=3)
         db.put_blocks(keys, blocks)
         with db.pin(keys[2:]):
-            victims = sorted(db.pool.table[k] >> 1 for k in keys[:2])
+            victims = sorted(db.pool.locate(k)[1] for k in keys[:2])
             res = db.reserve_frames(2)
             assert sorted(res.frames) == victims
-            assert [k in db.pool.table for k in keys] == [False, False, True, True]
+            assert [k in db.pool for k in keys] == [False, False, True, True]
             assert _check_pool(db) == (2, 0, 2)
             with pytest.raises(CapacityError, match="cannot reserve 1 host frames: 0 free and 0 evictable"):
                 db.reserve_frames(1)
@@ -155,17 +155,16 @@ def test_durable_commit_reaches_the_disk_tier_before_returning(tmp_path):
         res = db.reserve_frames(3)
         _land(res, blocks)
         assert db.commit_frames(keys, res, durability="sync") == 3
-        t = _host(db)
-        assert [t.dirty[db.pool.table[k] >> 1] for k in keys] == [0, 0, 0]
+        assert [db.pool.is_dirty(k) for k in keys] == [False, False, False]
         assert _check_pool(db) == (3, 5, 0)
         # a key resident but only in memory (durability none: dirty) is made durable, not replaced
         extra, extra_key = make_blocks(1, seed=15), make_keys(1, tag=15)
         db.put_blocks(extra_key, extra, durability="none")
-        assert t.dirty[db.pool.table[extra_key[0]] >> 1] == 1
+        assert db.pool.is_dirty(extra_key[0])
         res = db.reserve_frames(1)
         _land(res, extra)
         assert db.commit_frames(extra_key, res, durability="sync") == 0
-        assert t.dirty[db.pool.table[extra_key[0]] >> 1] == 0
+        assert not db.pool.is_dirty(extra_key[0])
         assert _check_pool(db) == (4, 4, 0)
         keys, blocks = keys + extra_key, torch.cat([blocks, extra])
     with _open(tmp_path / "db", 8, disk=True) as db:
@@ -212,7 +211,7 @@ def test_reservations_keep_pool_invariants(tmp_path_factory, ops):
                 del model[key]
             _, _, reserved = _check_pool(db)
             assert reserved == sum(len(r) for r in held)
-            for key in [k for k in model if k in db.pool.table]:
+            for key in [k for k in model if k in db.pool]:
                 assert torch.equal(_stored(db, [key])[0], model[key])
         for res in held:
             db.release_frames(res)
@@ -282,7 +281,7 @@ def test_damaged_block_in_arena_frames_is_released_unseen(node):
     with Peer(node.address, secret=SECRET, transport="mooncake") as q:
         q.push(keys, blocks, durability="none")
     assert torch.equal(_stored(node.db, keys), blocks)
-    assert sorted(node.db.pool.table[k] >> 1 for k in keys) == [0, 1, 2]
+    assert sorted(node.db.pool.locate(k)[1] for k in keys) == [0, 1, 2]
 
 
 @needs_te
@@ -297,8 +296,7 @@ def test_sync_push_into_frames_is_on_disk_when_acknowledged(netns, tmp_path):
         with Peer(srv.address, secret=SECRET, transport="mooncake", chunk_bytes=2 * PAGE) as p:
             p.push(keys, blocks, durability="sync")
             assert p.status()["counters"]["blocks_landed_in_arena"] == 5
-        t = _host(db)
-        assert [t.dirty[db.pool.table[k] >> 1] for k in keys] == [0] * 5
+        assert [db.pool.is_dirty(k) for k in keys] == [False] * 5
         assert _check_pool(db) == (5, 11, 0)
     finally:
         srv.stop()
