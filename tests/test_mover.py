@@ -6,21 +6,14 @@ from __future__ import annotations
 import threading
 
 import pytest
+from helpers import Clock
 
 from kvdb.db.mover import Mover
 from kvdb.errors import KvdbError
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
 def test_jobs_run_in_submission_order_and_return_results():
-    m = Mover(Clock())
+    m = Mover(Clock(0.0))
     try:
         seen = []
         futs = [m.submit(seen.append, i) for i in range(20)]
@@ -36,7 +29,7 @@ def test_jobs_run_in_submission_order_and_return_results():
 
 def test_timers_run_when_due_in_due_order_and_cancel():
     # Scenario: timers at 30, 10, 20 and a cancelled one at 5; the clock moves by hand.
-    clock = Clock()
+    clock = Clock(0.0)
     m = Mover(clock)
     try:
         seen = []
@@ -66,7 +59,7 @@ def test_timers_run_when_due_in_due_order_and_cancel():
 def test_jobs_and_timers_run_in_clock_order_and_shutdown_drops_timers():
     # Scenario: job1 submitted at t=0, a timer due at 1, the clock moves to 2, job2 submitted:
     # job1 (due at 0), the timer (1), job2 (2) -- whatever the order the mover sees them in.
-    clock = Clock()
+    clock = Clock(0.0)
     m = Mover(clock)
     seen = []
     hold = threading.Event()
@@ -89,7 +82,7 @@ def test_jobs_and_timers_run_in_clock_order_and_shutdown_drops_timers():
 def test_cancelled_timers_do_not_pile_up_in_the_heap():
     # Scenario (I1): a planner reschedules one far-future deadline 10 000 times (cancel, then
     # schedule again) next to 3 live timers; the heap never holds more than twice the live timers.
-    clock = Clock()
+    clock = Clock(0.0)
     m = Mover(clock)
     try:
         seen = []
@@ -122,7 +115,7 @@ def test_cancel_races_with_due_timers_and_the_count_stays_exact():
     # Scenario: 2 000 due timers; another thread cancels every other one while the mover runs
     # them. A cancel that returned True never ran, one that returned False did, and afterwards
     # the heap is empty with no cancelled entry left counted.
-    clock = Clock()
+    clock = Clock(0.0)
     m = Mover(clock)
     try:
         ran = set()

@@ -5,49 +5,17 @@ clock."""
 from __future__ import annotations
 
 import threading
+from functools import partial
 
+import helpers
 import pytest
 import torch
+from helpers import LAYOUT, Clock, agent_call, blocks_for, tiers
 
-import kvdb
 from kvdb.errors import InvalidInput, NotFound
 
-LAYOUT = kvdb.BlockLayout(num_layers=2, num_kv_heads=2, head_dim=4, block_tokens=4, dtype=torch.float32)
-PAGE = LAYOUT.page_bytes
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
-def blocks_for(n: int, seed: int = 0) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn((n, *LAYOUT.block_shape), generator=g)
-
-
-def open_db(path, clock, device_pages=4, host_pages=8, replacer="lru", **kw):
-    return kvdb.open(path, layout=LAYOUT, model_id="test-model", host_bytes=host_pages * PAGE,
-                     device_bytes=device_pages * PAGE, device="cpu", disk_bytes=kw.pop("disk_bytes", 0),
-                     replacer=replacer, clock=clock, **kw)
-
-
-def tiers(db, keys) -> list[str | None]:
-    names = {0: "device", 1: "host"}
-    return [names.get(db.pool.tier_of(k)) for k in keys]
-
-
-def agent_call(db, sid, agent, keys, blocks, wait_s=None, **hints):
-    """One LLM call: lookup, store what is new, finish (with the tool wait that follows)."""
-    ctx, _ = db.call_started(sid, agent_id=agent, hints=hints or None)
-    n = db.match_prefix(keys, ctx=ctx)
-    if n < len(keys):
-        db.put_blocks(keys[n:], blocks[n:], positions=list(range(n, len(keys))), ctx=ctx)
-    return db.call_finished(sid, agent_id=agent,
-                            hints=None if wait_s is None else {"expected_tool_duration_s": wait_s})
+#: the Db of these tests: 4 device pages (a CPU arena) over 8 host pages, no disk tier
+open_db = partial(helpers.open_db, device_pages=4, device="cpu")
 
 
 @pytest.mark.parametrize("policy", ["lru", "kvdb"])

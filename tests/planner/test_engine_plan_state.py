@@ -10,13 +10,13 @@ import shutil
 import tempfile
 
 import torch
+from helpers import SMALL as LAYOUT
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 import kvdb
 
-LAYOUT = kvdb.BlockLayout(num_layers=1, num_kv_heads=1, head_dim=4, block_tokens=4, dtype=torch.float32)
 PAGE = LAYOUT.page_bytes
 SESSIONS = ("s1", "s2", "s3")
 TENANTS = ("acme", "evil")

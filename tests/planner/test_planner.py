@@ -7,6 +7,7 @@ import math
 
 import pytest
 from click.testing import CliRunner
+from helpers import ONLINE
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -15,11 +16,10 @@ from kvdb.cli.main import cli
 from kvdb.errors import InvalidInput, NotFound
 from kvdb.planner.explain import explain
 from kvdb.planner.hints import check_hint
-from kvdb.planner.policies import POLICIES, REPLAY_ONLY, make_policy
+from kvdb.planner.policies import make_policy
 from kvdb.planner.sessions import Planner
 from kvdb.planner.workflow import Workflow
 
-ONLINE = sorted(set(POLICIES) - REPLAY_ONLY)
 DAG = [{"id": "p", "agent_id": "c"}, {"id": "a", "agent_id": "w", "deps": ["p"]},
        {"id": "t", "kind": "tool", "agent_id": "w", "deps": ["a"], "expected_duration_s": 30},
        {"id": "b", "agent_id": "w", "deps": ["t"]}, {"id": "g", "agent_id": "c", "deps": ["b"]}]

@@ -5,22 +5,21 @@ from __future__ import annotations
 
 import math
 import tempfile
+from functools import partial
 
+import helpers
 import pytest
+from helpers import Clock, agent_call, blocks_for, tiers
 from hypothesis import given
 from hypothesis import strategies as st
-from test_engine_plan import LAYOUT, PAGE, Clock, agent_call, blocks_for, tiers
 
-import kvdb
 from kvdb.errors import InvalidInput, NotFound
 
 IDLE_S = 100.0
 
 
-def open_db(path, clock, device_pages=6, host_pages=8, session_idle_s=IDLE_S):
-    return kvdb.open(path, layout=LAYOUT, model_id="test-model", host_bytes=host_pages * PAGE,
-                     device_bytes=device_pages * PAGE, device="cpu", disk_bytes=0, clock=clock,
-                     session_idle_s=session_idle_s)
+#: the Db of these tests: 6 device pages (a CPU arena) over 8 host pages, no disk tier
+open_db = partial(helpers.open_db, device_pages=6, device="cpu", session_idle_s=IDLE_S)
 
 
 def is_open(db, sid) -> bool:

@@ -13,20 +13,19 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 from click.testing import CliRunner
+from helpers import ONLINE, SMALL, replay_hits
 
 import kvdb
 from kvdb.cli.main import cli
 from kvdb.errors import InvalidInput
 from kvdb.planner.cost import DEFAULT_COST
-from kvdb.planner.policies import POLICIES, REPLAY_ONLY
+from kvdb.planner.policies import POLICIES
 from kvdb.sim.generator import generate, load_params
 from kvdb.sim.replay import capacity_for, replay
 from kvdb.sim.timed import timed_replay
 from kvdb.sim.trace import parse_trace
 
-ONLINE = sorted(set(POLICIES) - REPLAY_ONLY)
 REPO = Path(__file__).resolve().parents[2]
 VARIANTS = {  # generator overrides, keep the workflow lines
     "hints": ({}, True),
@@ -44,9 +43,7 @@ def _lines(variant: str, sessions: int = 12) -> list[str]:
 
 
 def _hits(lines: list[str], policy: str, cap: int) -> list[int]:
-    out: list[dict] = []
-    replay(parse_trace("\n".join(lines)), policy, cap, per_request=out.append)
-    return [r["hits"] for r in out]
+    return replay_hits(parse_trace("\n".join(lines)), policy, cap)
 
 
 def _other_future(lines: list[str]) -> list[str]:
@@ -236,8 +233,7 @@ def test_bad_trace_lines_through_the_cli_name_the_line(tmp_path, line, needle, t
 
 
 def test_engine_api_names_the_node_of_a_bad_workflow(tmp_path):
-    layout = kvdb.BlockLayout(num_layers=1, num_kv_heads=1, head_dim=4, block_tokens=4, dtype=torch.float32)
-    with kvdb.open(str(tmp_path / "db"), layout=layout, model_id="m", host_bytes=1 << 20) as db:
+    with kvdb.open(str(tmp_path / "db"), layout=SMALL, model_id="m", host_bytes=1 << 20) as db:
         with pytest.raises(InvalidInput, match="cycle through node 'a'"):
             db.begin_session("s", workflow={"nodes": [{"id": "a", "deps": ["b"]}, {"id": "b", "deps": ["a"]}]})
         with pytest.raises(InvalidInput, match="node 'b' depends on 'zz'"):

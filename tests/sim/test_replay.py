@@ -6,32 +6,24 @@ from __future__ import annotations
 import json
 
 import pytest
+from helpers import ONLINE, replay_hits
 
 from kvdb.errors import InvalidInput
-from kvdb.planner.policies import POLICIES, REPLAY_ONLY
 from kvdb.sim.generator import generate, load_params
 from kvdb.sim.replay import capacity_for, gap_closure, replay
 from kvdb.sim.trace import parse_trace
-
-ONLINE = sorted(set(POLICIES) - REPLAY_ONLY)
 
 # Scenario: capacity 3; [0,1,2] [0,1,3] [4,5] [0,1,2]
 SMALL = "\n".join(json.dumps({"timestamp": i, "hash_ids": ids})
                   for i, ids in enumerate([[0, 1, 2], [0, 1, 3], [4, 5], [0, 1, 2]]))
 
 
-def _hits(trace, policy, cap):
-    out = []
-    replay(trace, policy, cap, per_request=out.append)
-    return [r["hits"] for r in out]
-
-
 def test_small_trace_lru_and_belady_exact():
     t = parse_trace(SMALL)
     # LRU: call 2 evicts 2 (S3); call 3 evicts 3 then 1 (the deeper of the two oldest first)
-    assert _hits(t, "lru", 3) == [0, 2, 0, 1]
+    assert replay_hits(t, "lru", 3) == [0, 2, 0, 1]
     # Belady: call 2 drops 3 at once (never used again); call 3 drops 5 then 4 (ties -> deeper)
-    assert _hits(t, "belady", 3) == [0, 2, 0, 3]
+    assert replay_hits(t, "belady", 3) == [0, 2, 0, 3]
     r = replay(t, "belady", 3)
     assert (r.requests, r.accesses, r.hits) == (4, 11, 5)
     assert r.block_hit_ratio == pytest.approx(5 / 11)
@@ -41,7 +33,7 @@ def test_small_trace_lru_and_belady_exact():
 def test_every_online_policy_runs_the_small_trace():
     t = parse_trace(SMALL)
     for p in ONLINE:
-        hits = _hits(t, p, 3)
+        hits = replay_hits(t, p, 3)
         assert hits[0] == 0 and hits[1] == 2, p  # nothing can be evicted before call 2's lookup
 
 
@@ -88,8 +80,8 @@ def test_no_peeking(policy, workflows):
             d["hash_ids"] = [h + 10_000_000 for h in d["hash_ids"][:2]]  # a different future
             d.pop("hints", None)
         changed.append(json.dumps(d))
-    a = _hits(parse_trace("\n".join(lines)), policy, 40)
-    b = _hits(parse_trace("\n".join(changed)), policy, 40)
+    a = replay_hits(parse_trace("\n".join(lines)), policy, 40)
+    b = replay_hits(parse_trace("\n".join(changed)), policy, 40)
     assert a[:k_call] == b[:k_call]
     assert a != b  # the change is visible later, so the test can fail
 
@@ -127,7 +119,7 @@ def test_same_trace_replayed_twice_gives_the_same_hits():
     """Workflow progress lives in each replay's Planner, not in the parsed trace."""
     t = parse_trace("\n".join(_agent_trace()))
     for p in ("kvflow", "kvdb"):
-        assert _hits(t, p, 40) == _hits(t, p, 40)
+        assert replay_hits(t, p, 40) == replay_hits(t, p, 40)
 
 
 def test_timed_replay_kvdb_beats_kvflow_and_tokencake():

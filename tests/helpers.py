@@ -1,0 +1,77 @@
+"""Set-up shared by the tests outside tests/cold/ (which has cold_fixtures.py): the small layout
+most Db tests use, block factories, an injected clock, a Db sized in pages, tiers by name, one
+agent's LLM call, the online policies and the hits of a replay.
+
+Imported by name (``from helpers import LAYOUT, open_db``): tests/ holds the root conftest.py,
+so pytest puts it on sys.path for every test, packages (replication/, integrations/) included.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import kvdb
+from kvdb import BlockLayout
+from kvdb.planner.policies import POLICIES, REPLAY_ONLY
+from kvdb.sim.replay import replay
+
+#: 2 layers x (k, v) x 4 tokens x 2 heads x 4 dims x 4 bytes (fp32) = 512-byte pages
+LAYOUT = BlockLayout(num_layers=2, num_kv_heads=2, head_dim=4, block_tokens=4, dtype=torch.float32)
+PAGE = LAYOUT.page_bytes
+
+#: 1 layer x (k, v) x 4 tokens x 1 head x 4 dims x 4 bytes = 128-byte pages: Dbs opened by the hundred
+SMALL = BlockLayout(num_layers=1, num_kv_heads=1, head_dim=4, block_tokens=4, dtype=torch.float32)
+
+#: the policies a live Db can run (the others need the whole trace: replay only)
+ONLINE = sorted(set(POLICIES) - REPLAY_ONLY)
+
+TIER_NAMES = {0: "device", 1: "host"}
+
+
+class Clock:
+    """An injected clock (``kvdb.open(clock=...)``, the mover): it reads ``t``, which the test
+    moves by hand. Starts at 1000 s unless told, so that no event happens at time 0."""
+
+    def __init__(self, t: float = 1000.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def blocks_for(n: int, seed: int = 0, layout: BlockLayout = LAYOUT) -> torch.Tensor:
+    """``n`` blocks of random values (the same for the same seed)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn((n, *layout.block_shape), generator=g)
+
+
+def open_db(path, clock=None, *, host_pages: int = 8, device_pages: int = 0, layout: BlockLayout = LAYOUT,
+            model_id: str = "test-model", disk_bytes: int | None = 0, **kw) -> kvdb.Db:
+    """``kvdb.open`` with tiers sized in pages of ``layout``; no disk tier unless ``disk_bytes``
+    says so (None: unbounded). Other keywords go to ``kvdb.open``."""
+    if clock is not None:
+        kw["clock"] = clock
+    return kvdb.open(path, layout=layout, model_id=model_id, host_bytes=host_pages * layout.page_bytes,
+                     device_bytes=device_pages * layout.page_bytes, disk_bytes=disk_bytes, **kw)
+
+
+def tiers(db, keys) -> list[str | None]:
+    """Where each key is resident: "device", "host" or None (on disk or nowhere)."""
+    return [TIER_NAMES.get(db.pool.tier_of(k)) for k in keys]
+
+
+def agent_call(db, sid, agent, keys, blocks, wait_s=None, **hints):
+    """One LLM call: lookup, store what is new, finish (with the tool wait that follows)."""
+    ctx, _ = db.call_started(sid, agent_id=agent, hints=hints or None)
+    n = db.match_prefix(keys, ctx=ctx)
+    if n < len(keys):
+        db.put_blocks(keys[n:], blocks[n:], positions=list(range(n, len(keys))), ctx=ctx)
+    return db.call_finished(sid, agent_id=agent,
+                            hints=None if wait_s is None else {"expected_tool_duration_s": wait_s})
+
+
+def replay_hits(trace, policy: str, capacity: int) -> list[int]:
+    """The hits of each request when ``policy`` replays a parsed trace with room for ``capacity`` blocks."""
+    out: list[dict] = []
+    replay(trace, policy, capacity, per_request=out.append)
+    return [r["hits"] for r in out]
