@@ -6,11 +6,10 @@ import json
 
 import torch
 from click.testing import CliRunner
+from helpers import LAYOUT
 
 import kvdb
 from kvdb.cli.main import cli
-
-LAYOUT = kvdb.BlockLayout(num_layers=2, num_kv_heads=2, head_dim=4, block_tokens=4, dtype=torch.float32)
 
 
 def run(*args):

@@ -8,22 +8,10 @@ import textwrap
 
 import pytest
 import torch
+from helpers import LAYOUT, PAGE, blocks_for, open_db, tiers
 
 import kvdb
 from kvdb.errors import CapacityError, DbLockedError, InvalidInput, KvdbError, NotFound
-
-LAYOUT = kvdb.BlockLayout(num_layers=2, num_kv_heads=2, head_dim=4, block_tokens=4, dtype=torch.float32)
-PAGE = LAYOUT.page_bytes
-
-
-def blocks_for(n: int, seed: int = 0) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn((n, *LAYOUT.block_shape), generator=g)
-
-
-def open_db(path, host_pages=8, device_pages=0, **kw):
-    return kvdb.open(path, layout=LAYOUT, model_id="test-model", host_bytes=host_pages * PAGE,
-                     device_bytes=device_pages * PAGE, disk_bytes=0, **kw)
 
 
 def test_put_match_get_roundtrip(tmp_path):
@@ -414,16 +402,34 @@ def test_durable_put_persists_a_dirty_resident_block(tmp_path):
 
 
 def test_open_under_inference_mode(tmp_path):
+    # Scenario: engines call the Db under torch.inference_mode(), but the Db's mover writes its
+    # arenas from its own thread, outside that (thread-local) mode, so arenas made as inference
+    # tensors would refuse every move. 2 device + 2 host pages, no disk tier: 4 blocks fill
+    # both; prefetching block 2 moves it up (block 1, least recent on the device, goes down to
+    # the host, whose least recent block 3 is dropped). Then, on a Db opened normally, an
+    # offload called under the mode moves 2 device blocks down. Every byte survives the moves.
+    b = blocks_for(4)
     with torch.inference_mode():
         with open_db(tmp_path, host_pages=2, device_pages=2, device="cpu") as db:
             keys = db.block_keys(list(range(16)))
-            db.put_blocks(keys, torch.ones((4, *LAYOUT.block_shape)))
-            for k in keys:
-                db.prefetch([k])
+            assert db.put_blocks(keys, b) == 4
+            assert tiers(db, keys) == ["device", "device", "host", "host"]
+            assert [db.prefetch([k]) for k in keys] == [0, 0, 1, 0]  # moved up: block 2 only
+            assert tiers(db, keys) == ["device", "host", "device", None]
+            out = torch.zeros_like(b)
+            assert db.get_prefix(keys, out=out) == 3
+            assert torch.equal(out[:3], b[:3])
     with open_db(tmp_path, host_pages=2, device_pages=2, device="cpu") as db:
-        db.put_blocks(db.block_keys(list(range(8))), torch.ones((2, *LAYOUT.block_shape)))
+        keys = db.block_keys(list(range(8)))
+        b = blocks_for(2, seed=1)
+        db.put_blocks(keys, b)
+        assert tiers(db, keys) == ["device", "device"]
         with torch.inference_mode():
-            db.offload(db.block_keys(list(range(8))), to="host")
+            assert db.offload(keys, to="host") == 2
+        assert tiers(db, keys) == ["host", "host"]
+        out = torch.zeros_like(b)
+        db.get_blocks(keys, out=out)
+        assert torch.equal(out, b)
 
 
 def test_pin_prefix_pins_the_readable_run(tmp_path):
