@@ -6,14 +6,13 @@ prefix can only come from the log segments on disk (kvdb/cold/).
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
 import kvdb
 from kvdb.integrations.transformers import PrefixCache, blocks_from_cache, layout_for
 
+from .helpers import corrupt_block
 from .test_prefix_cache import BT, check_restored, reference, tokens
 
 pytest.importorskip("kvdb.cold.store", reason="the disk tier has not landed")
@@ -60,31 +59,6 @@ def test_disk_restore_matches_recompute_and_greedy_decode(llama, tmp_path):
         assert produced == full_produced
 
 
-def _segments(path: Path) -> list[Path]:
-    segs = sorted(p for p in (path / "wal").rglob("*") if p.is_file())
-    assert segs, f"no log segment under {path / 'wal'}"
-    return segs
-
-
-def _corrupt_block(path: Path, block: torch.Tensor) -> None:
-    """Flip one byte in the middle of ``block``'s payload in the log (raw codec: the payload is
-    the block's bytes verbatim). Exactly one occurrence must exist."""
-    needle = block.contiguous().view(torch.uint8).numpy().tobytes()
-    hits = []
-    for seg in _segments(path):
-        data = seg.read_bytes()
-        at = data.find(needle)
-        if at >= 0:
-            hits.append((seg, at))
-    assert len(hits) == 1, f"block payload found {len(hits)} times in the log"
-    seg, at = hits[0]
-    with open(seg, "r+b") as f:
-        f.seek(at + len(needle) // 2)
-        b = f.read(1)
-        f.seek(at + len(needle) // 2)
-        f.write(bytes([b[0] ^ 0x5A]))
-
-
 @pytest.mark.parametrize("bad", [0, 4, 9])
 @torch.no_grad()
 def test_corrupted_disk_block_is_never_used(llama, tmp_path, bad):
@@ -93,7 +67,7 @@ def test_corrupted_disk_block_is_never_used(llama, tmp_path, bad):
     # damaged KV -- and what it restores is bit-exact (the exact oracle of test_prefix_cache).
     ids = tokens(170, 13)
     blocks = save_to_disk(tmp_path / "db", llama, ids)
-    _corrupt_block(tmp_path / "db", blocks[bad])
+    corrupt_block(tmp_path / "db", blocks[bad])
     with open_disk_db(tmp_path / "db", llama) as db:
         pc = PrefixCache(db, llama)
         cache, n = pc.lookup(ids)
@@ -119,7 +93,7 @@ def test_prefix_larger_than_memory_restores_through_staging(llama, tmp_path):
         cache, n = pc.lookup(ids)
         assert n == 160 and pc.stats.staged_lookups == 1
         check_restored(llama, ids, cache, n, ids, steps=1, recompute=False)
-    _corrupt_block(tmp_path / "db", blocks[7])
+    corrupt_block(tmp_path / "db", blocks[7])
     with open_disk_db(tmp_path / "db", llama, host_bytes=4 * page) as db:
         pc = PrefixCache(db, llama)
         cache, n = pc.lookup(ids)

@@ -1,0 +1,268 @@
+"""``KvdbConnector``: kvdb as vLLM's KV connector (vLLM v1 ``KVConnectorBase_V1``).
+
+    LLM(model=..., kv_transfer_config=KVTransferConfig(
+        kv_connector="KvdbConnector", kv_connector_module_path="kvdb.integrations.vllm",
+        kv_role="kv_both", kv_load_failure_policy="recompute",
+        kv_connector_extra_config={"path": "/var/lib/kvdb", "host_bytes": "8GiB"}))
+
+Block identity: a kvdb block is one vLLM block (``block_tokens`` = vLLM's ``block_size``) and
+its key is ``db.engine_keys([request.block_hashes[i]], tenant)``: vLLM's own prefix-chained
+hash, salted per tenant (kvdb/keys.py). The tenant is the request's ``cache_salt`` (vLLM folds
+it into the hashes too), else ``"default"``: requests with different salts never share blocks.
+
+One step of the engine, and what each half does (docs/vllm.md has the whole picture):
+
+    scheduler half (EngineCore process)            worker half (Worker process, owns the Db)
+    get_num_new_matched_tokens -- lookup -------->  KvdbService.lookup: match_prefix (+ call_started)
+    update_state_after_alloc: remember the load
+    build_connector_meta: loads + saves of the step  ->  start_load_kv: get_prefix -> scatter into
+                                                        the paged cache; a block that fails its
+                                                        checksum ends the run (I3)
+                                                     forward pass
+                                                     wait_for_save: gather the step's newly full
+                                                        blocks -> put_blocks
+    request_finished -- finished ---------------->  KvdbService.finished (call_finished)
+
+Invariants
+    I1  A lookup never covers a request's last token: vLLM must compute at least one token to
+        sample from, so hits stop at the last full block strictly before it.
+    I2  A block is saved once its KV is in the paged cache: at the end of the step whose forward
+        pass wrote its last token, and only full blocks (vLLM hashes only those). Blocks kvdb
+        reported as stored for the request are not saved again.
+    I3  A load never hands vLLM wrong bytes: ``Db.get_prefix`` stops at the first block that is
+        missing or fails its checksum, and every block id from there on is reported by
+        ``get_block_ids_with_load_errors``, so vLLM recomputes them (with
+        ``kv_load_failure_policy="recompute"``; vLLM's default, ``"fail"``, fails the request).
+    I4  Loads and saves are synchronous within the step (``start_load_kv`` returns with the
+        blocks in place; ``wait_for_save`` with them handed to the Db), so vLLM may free or
+        reuse a request's blocks as soon as it finishes.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from kvdb.errors import InvalidInput
+from kvdb.integrations.vllm.service import ServiceClient, local_service
+from kvdb.integrations.vllm.settings import Settings
+from kvdb.integrations.vllm.worker import Worker
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+log = logging.getLogger("kvdb.vllm")
+DEFAULT_TENANT = "default"
+
+
+@dataclass
+class BlockMove:
+    """Blocks of one request to load or save this step: hashes[i] lives in vLLM block block_ids[i]."""
+
+    req_id: str
+    tenant: str
+    hashes: list[bytes]
+    block_ids: list[int]
+    first_block: int  # depth of hashes[0] in the request's chain
+
+
+@dataclass
+class KvdbConnectorMetadata(KVConnectorMetadata):
+    loads: list[BlockMove] = field(default_factory=list)
+    saves: list[BlockMove] = field(default_factory=list)
+
+
+@dataclass
+class _ReqState:
+    request: Any
+    tenant: str | None  # None: the request is not cached in kvdb (its salt cannot name a tenant)
+    block_ids: list[int] = field(default_factory=list)
+    saved: int = 0  # blocks [0, saved) are in kvdb or queued to be saved (I2)
+    load: tuple[int, int] | None = None  # (first block, count) to load when next scheduled
+    local_blocks: int = 0  # blocks vLLM's own prefix cache had when kvdb was asked
+    hint_outcomes: list = field(default_factory=list)
+    hit_blocks: int = 0
+
+
+def _tenant(request) -> str | None:
+    salt = getattr(request, "cache_salt", None)
+    if salt is None:
+        return DEFAULT_TENANT
+    return salt if isinstance(salt, str) and salt else None
+
+
+class KvdbConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig | None" = None):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        self.settings = Settings.from_extra(self._kv_transfer_config.kv_connector_extra_config)
+        self.block_size = vllm_config.cache_config.block_size
+        if self._kv_transfer_config.kv_load_failure_policy != "recompute":
+            log.warning("kvdb: kv_load_failure_policy=%r; with 'recompute' a block that fails its checksum is "
+                        "recomputed instead of failing the request", self._kv_transfer_config.kv_load_failure_policy)
+        self._reqs: dict[str, _ReqState] = {}
+        self._client: ServiceClient | None = None
+        self.worker: Worker | None = None
+        if role == KVConnectorRole.WORKER:
+            self.worker = Worker(vllm_config, kv_cache_config, self.settings)
+
+    # ================================================================ scheduler half
+    def _call(self, msg: dict) -> dict | None:
+        svc = local_service(self.settings.path)
+        if svc is not None:
+            resp = svc.call(msg)
+        else:
+            if self._client is None:
+                self._client = ServiceClient(self.settings.path, self.settings.lookup_timeout_s)
+            resp = self._client.call(_wire(msg))
+        if resp is not None and "error" in resp:
+            log.warning("kvdb: %s", resp["error"])
+            return None
+        return resp
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+        st = self._reqs.get(request.request_id)
+        if st is None:
+            st = self._reqs[request.request_id] = _ReqState(request, _tenant(request))
+        if st.tenant is None:
+            return 0, False
+        bt = self.block_size
+        usable = min(len(request.block_hashes), (request.num_tokens - 1) // bt)  # I1
+        resp = self._call({"op": "lookup", "req": request.request_id, "tenant": st.tenant,
+                           "hashes": list(request.block_hashes[:usable]),
+                           "params": getattr(request, "kv_transfer_params", None)})
+        if resp is None:
+            return 0, False
+        if resp.get("hints"):
+            st.hint_outcomes = resp["hints"]
+        n = int(resp["hit_blocks"])
+        st.hit_blocks = n
+        st.saved = max(st.saved, n)
+        st.local_blocks = num_computed_tokens // bt
+        ext = n * bt - num_computed_tokens
+        return (ext, False) if ext > 0 else (0, False)
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
+        st = self._reqs.get(request.request_id)
+        if st is None or num_external_tokens <= 0:
+            return
+        st.load = (st.local_blocks, num_external_tokens // self.block_size)
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        meta = KvdbConnectorMetadata()
+        sched = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            st = self._reqs.get(new.req_id)
+            if st is None:
+                continue
+            st.block_ids = list(new.block_ids[0])
+            self._plan(st, new.req_id, new.num_computed_tokens + sched.get(new.req_id, 0), meta)
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            st = self._reqs.get(req_id)
+            if st is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                st.block_ids = list(new_ids[0]) if new_ids is not None else []
+            elif new_ids is not None:
+                st.block_ids.extend(new_ids[0])
+            self._plan(st, req_id, cached.num_computed_tokens[i] + sched.get(req_id, 0), meta)
+        return meta
+
+    def _plan(self, st: _ReqState, req_id: str, done_tokens: int, meta: KvdbConnectorMetadata) -> None:
+        if st.tenant is None:
+            return
+        hashes = st.request.block_hashes
+        if st.load is not None:
+            first, n = st.load
+            st.load = None
+            meta.loads.append(BlockMove(req_id, st.tenant, list(hashes[first:first + n]),
+                                        st.block_ids[first:first + n], first))
+        full = min(len(hashes), done_tokens // self.block_size, len(st.block_ids))  # I2
+        if full > st.saved:
+            meta.saves.append(BlockMove(req_id, st.tenant, list(hashes[st.saved:full]),
+                                        st.block_ids[st.saved:full], st.saved))
+            st.saved = full
+
+    def update_connector_output(self, connector_output) -> None:
+        """Blocks the worker could not load (I3) are recomputed by vLLM: the request's kvdb hit ends
+        before the first of them, and they are saved again once recomputed."""
+        bad = getattr(connector_output, "invalid_block_ids", None)
+        if not bad:
+            return
+        for st in self._reqs.values():
+            idx = next((i for i, b in enumerate(st.block_ids[: st.hit_blocks]) if b in bad), None)
+            if idx is not None:
+                st.hit_blocks = idx
+                st.saved = min(st.saved, idx)
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        st = self._reqs.pop(request.request_id, None)
+        resp = self._call({"op": "finished", "req": request.request_id}) or {}
+        outcomes = (st.hint_outcomes if st is not None else []) + list(resp.get("hints") or [])
+        if st is None:
+            return False, None
+        return False, {"kvdb": {"hit_tokens": st.hit_blocks * self.block_size, "hints": outcomes}}
+
+    # ================================================================ worker half
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
+        self._worker().register(kv_caches)
+
+    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        if isinstance(meta, KvdbConnectorMetadata) and meta.loads:
+            self._worker().load(meta.loads)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # I4: start_load_kv already placed every layer
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        return  # whole blocks are saved once the step's forward pass is done (wait_for_save, I2)
+
+    def wait_for_save(self):
+        meta = self._get_connector_metadata()
+        if isinstance(meta, KvdbConnectorMetadata) and meta.saves:
+            self._worker().save(meta.saves)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker.take_load_errors() if self.worker is not None else set()
+
+    def shutdown(self):
+        if self.worker is not None:
+            self.worker.close()
+            self.worker = None
+        if self._client is not None:
+            self._client.close()
+
+    def _worker(self) -> Worker:
+        if self.worker is None:
+            raise InvalidInput("kvdb: a worker-side call reached the scheduler-side connector")
+        return self.worker
+
+    # ================================================================ introspection
+    def explain(self, session_id: str) -> dict | None:
+        """The Db's live plan of a session (``Db.explain(session_id=)``), from either half."""
+        return self._call({"op": "explain", "session_id": session_id})
+
+    def kvdb_stats(self) -> dict | None:
+        """The connector's counters and ``Db.stats()``, from either half."""
+        return self._call({"op": "stats"})
+
+
+def _wire(msg: dict) -> dict:
+    if "hashes" in msg:
+        msg = dict(msg, hashes=[bytes(h).hex() for h in msg["hashes"]])
+    return msg

@@ -1,0 +1,363 @@
+"""The worker's Db as a service to vLLM's scheduler: lookups and session calls.
+
+vLLM runs the connector twice: a scheduler half (answers "how many tokens of this prompt can
+you load?") and a worker half (holds the paged KV cache and moves blocks). kvdb allows one Db
+per data directory (kvdb/db/core.py, ``LOCK``), and the blocks must live where the KV cache is,
+so the **worker owns the Db** and the scheduler asks it:
+
+    same process (VLLM_ENABLE_V1_MULTIPROCESSING=0, or the "uni" executor inside EngineCore)
+        the scheduler finds the worker's ``KvdbService`` in a process-wide registry keyed by the
+        data directory's real path and calls it directly
+    separate processes (vLLM's default multiprocess executor)
+        the worker serves the same calls on a Unix socket in the abstract namespace, named from
+        the data directory's real path; the scheduler connects to it
+
+Wire format (both directions): a 4-byte big-endian length, then a UTF-8 JSON object. Requests:
+``{"op": "lookup", "req": id, "tenant": str, "hashes": [hex, ...], "params": {...} | null}`` ->
+``{"hit_blocks": n, "hints": [...]}``; ``{"op": "finished", "req": id}`` -> ``{"hints": [...]}``;
+``{"op": "explain", "session_id": sid}``; ``{"op": "stats"}``. Errors come back as
+``{"error": "..."}``. Frames over ``MAX_FRAME`` bytes close the connection.
+
+Trust boundary (T1): a connection is served only when the peer process runs as this process's
+user (``SO_PEERCRED``): the same user can read the data directory anyway, anyone else gets
+nothing, not even whether a key is stored. T2: nothing a client sends is evaluated; JSON only.
+
+Session calls (kvdb/db/core.py engine API) happen here, in the Db's process: a request's
+``kv_transfer_params`` may carry ``session_id``, ``agent_id``, ``node_id`` and hints (``ttl_s``,
+``priority``, ``prefix_hash``, ``expected_tool_duration_s``). The first lookup of a request is
+its ``call_started`` (later lookups of the same request, e.g. after a preemption, are not); its
+``AccessContext`` is kept for the request's saves; ``finished`` is its ``call_finished``. Every
+hint comes back accepted / clipped / rejected with a reason; a malformed one never fails a
+request.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import socket
+import struct
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvdb.errors import KvdbError
+
+log = logging.getLogger("kvdb.vllm")
+
+MAX_FRAME = 16 << 20
+_LEN = struct.Struct(">I")
+# kv_transfer_params keys that name the call rather than hint about it
+CALL_KEYS = ("session_id", "agent_id", "node_id")
+# hints given when the call ends, not when it starts
+FINISH_HINTS = ("expected_tool_duration_s",)
+# keys vLLM itself and its disaggregated-prefill connectors put in kv_transfer_params
+FOREIGN_PREFIXES = ("do_remote_", "remote_", "kvdb")
+
+_registry: dict[str, "KvdbService"] = {}
+_registry_lock = threading.Lock()
+
+
+def service_key(path: str) -> str:
+    return os.path.realpath(path)
+
+
+def socket_name(path: str) -> bytes:
+    """The abstract-namespace socket name of the Db at ``path`` (no file to clean up)."""
+    return b"\0kvdb-vllm-" + hashlib.sha256(service_key(path).encode()).hexdigest()[:40].encode()
+
+
+def local_service(path: str) -> "KvdbService | None":
+    with _registry_lock:
+        return _registry.get(service_key(path))
+
+
+@dataclass
+class Counters:
+    lookups: int = 0
+    lookup_blocks: int = 0
+    hit_blocks: int = 0
+    loaded_blocks: int = 0
+    load_failed_blocks: int = 0
+    saved_blocks: int = 0
+    rejected_hints: int = 0
+    refused_requests: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(self.__dict__)
+
+
+@dataclass
+class _Call:
+    session_id: str | None
+    agent_id: str | None
+    node_id: str | None
+    ctx: Any
+    finish_hints: dict = field(default_factory=dict)
+
+
+def _outcome(name: str, status: str, reason: str) -> dict:
+    return {"hint": name, "status": status, "value": None, "reason": reason}
+
+
+class KvdbService:
+    """What the scheduler half may ask of the Db. Thread-safe (the Db is; ``_calls`` is locked)."""
+
+    def __init__(self, db, path: str) -> None:
+        self.db = db
+        self.path = path
+        self.counters = Counters()
+        self._calls: dict[str, _Call] = {}
+        self._lock = threading.Lock()
+        self._server: _Server | None = None
+        self.worker = None  # the Worker that owns the Db (kvdb/integrations/vllm/worker.py), for introspection
+
+    # -------------------------------------------------------------- registration
+    def register(self, serve_socket: bool = True) -> None:
+        with _registry_lock:
+            _registry[service_key(self.path)] = self
+        if serve_socket:
+            self._server = _Server(self, socket_name(self.path))
+
+    def unregister(self) -> None:
+        with _registry_lock:
+            if _registry.get(service_key(self.path)) is self:
+                del _registry[service_key(self.path)]
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+
+    # -------------------------------------------------------------- calls
+    def keys(self, tenant: str, hashes) -> list[bytes]:
+        return self.db.engine_keys(hashes, tenant=tenant)
+
+    def ctx(self, req_id: str):
+        with self._lock:
+            call = self._calls.get(req_id)
+        return None if call is None else call.ctx
+
+    def lookup(self, req_id: str, tenant: str, hashes: list[bytes], params: dict | None) -> dict:
+        """Leading blocks of ``hashes`` stored in any tier; the first lookup of ``req_id`` also
+        starts its session call."""
+        outcomes: list[dict] = []
+        with self._lock:
+            known = req_id in self._calls
+        if not known:
+            call, outcomes = self._call_started(tenant, params)
+            with self._lock:
+                self._calls[req_id] = call
+        ctx = self.ctx(req_id)
+        keys = self.keys(tenant, hashes) if hashes else []
+        n = self.db.match_prefix(keys, ctx=ctx) if keys else 0
+        c = self.counters
+        c.lookups += 1
+        c.lookup_blocks += len(keys)
+        c.hit_blocks += n
+        c.rejected_hints += sum(o.get("status") == "rejected" for o in outcomes)
+        return {"hit_blocks": n, "hints": outcomes}
+
+    def _call_started(self, tenant: str, params: dict | None) -> tuple[_Call, list[dict]]:
+        if params is None:
+            return _Call(None, None, None, None), []
+        if not isinstance(params, dict):
+            return _Call(None, None, None, None), [_outcome("kv_transfer_params", "rejected", "not a JSON object")]
+        ids, outcomes = {}, []
+        for name in CALL_KEYS:
+            v = params.get(name)
+            if v is None:
+                continue
+            if isinstance(v, str) and v and len(v) <= 256:
+                ids[name] = v
+            else:
+                outcomes.append(_outcome(name, "rejected", "must be a non-empty string of at most 256 characters"))
+        start, finish = {}, {}
+        for name, v in params.items():
+            if name in CALL_KEYS or not isinstance(name, str) or name.startswith(FOREIGN_PREFIXES):
+                continue
+            (finish if name in FINISH_HINTS else start)[name] = v
+        sid = ids.get("session_id")
+        if sid is None:
+            if start or finish:
+                outcomes += [_outcome(k, "rejected", "hints need a session_id") for k in (*start, *finish)]
+            return _Call(None, None, None, None), outcomes
+        try:
+            ctx, got = self.db.call_started(sid, agent_id=ids.get("agent_id"), node_id=ids.get("node_id"),
+                                            tenant=tenant, hints=start or None)
+            outcomes += [o.as_dict() for o in got]
+        except (KvdbError, TypeError, ValueError, OverflowError) as e:
+            outcomes.append(_outcome("session_id", "rejected", f"{type(e).__name__}: {e}"))
+            return _Call(None, None, None, None), outcomes
+        return _Call(sid, ids.get("agent_id"), ids.get("node_id"), ctx, finish), outcomes
+
+    def finished(self, req_id: str) -> dict:
+        with self._lock:
+            call = self._calls.pop(req_id, None)
+        if call is None or call.session_id is None:
+            return {"hints": []}
+        try:
+            got = self.db.call_finished(call.session_id, agent_id=call.agent_id, node_id=call.node_id,
+                                        hints=call.finish_hints or None)
+            outcomes = [o.as_dict() for o in got]
+        except (KvdbError, TypeError, ValueError, OverflowError) as e:
+            outcomes = [_outcome("expected_tool_duration_s", "rejected", f"{type(e).__name__}: {e}")]
+        self.counters.rejected_hints += sum(o.get("status") == "rejected" for o in outcomes)
+        return {"hints": outcomes}
+
+    def explain(self, session_id: str) -> dict:
+        return self.db.explain(session_id=session_id)
+
+    def stats(self) -> dict:
+        return {"connector": self.counters.as_dict(), "db": self.db.stats()}
+
+    # -------------------------------------------------------------- the wire
+    def call(self, msg: dict) -> dict:
+        """One request of the wire format, with ``hashes`` already bytes; errors come back as
+        ``{"error": ...}``, never raised (a bad request must not take the worker down)."""
+        op = msg.get("op")
+        try:
+            if op == "lookup":
+                return self.lookup(str(msg["req"]), str(msg["tenant"]), list(msg["hashes"]), msg.get("params"))
+            if op == "finished":
+                return self.finished(str(msg["req"]))
+            if op == "explain":
+                return self.explain(str(msg["session_id"]))
+            if op == "stats":
+                return self.stats()
+            return {"error": f"unknown op {op!r}"}
+        except (KvdbError, KeyError, TypeError, ValueError, OverflowError) as e:
+            return {"error": f"{op}: {type(e).__name__}: {e}"}
+
+    def handle(self, msg: dict) -> dict:
+        """A request off the socket: hashes arrive as hex strings."""
+        if "hashes" in msg:
+            try:
+                msg = dict(msg, hashes=[bytes.fromhex(h) for h in msg["hashes"]])
+            except (TypeError, ValueError) as e:
+                return {"error": f"hashes must be hex strings: {e}"}
+        return self.call(msg)
+
+
+def _send(sock: socket.socket, obj: dict) -> None:
+    data = json.dumps(obj, default=str).encode()
+    sock.sendall(_LEN.pack(len(data)) + data)
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            raise ConnectionError("peer closed the connection")
+        buf += chunk
+    return bytes(buf)
+
+
+def _recv(sock: socket.socket) -> dict:
+    (n,) = _LEN.unpack(_recv_exact(sock, _LEN.size))
+    if n > MAX_FRAME:
+        raise ConnectionError(f"frame of {n} bytes is over the {MAX_FRAME}-byte limit")
+    obj = json.loads(_recv_exact(sock, n))
+    if not isinstance(obj, dict):
+        raise ConnectionError("a frame must hold a JSON object")
+    return obj
+
+
+def _peer_uid(conn: socket.socket) -> int:
+    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return struct.unpack("3i", creds)[1]
+
+
+class _Server:
+    """Accepts the scheduler's connections; one daemon thread per connection (there is one
+    scheduler per engine, so a handful at most)."""
+
+    MAX_CONNECTIONS = 16
+
+    def __init__(self, service: KvdbService, name: bytes) -> None:
+        self.service = service
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.bind(name)
+        self.sock.listen(8)
+        self._conns: set[socket.socket] = set()
+        self._closed = False
+        self._thread = threading.Thread(target=self._accept, name="kvdb-vllm-lookup", daemon=True)
+        self._thread.start()
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            if _peer_uid(conn) != os.getuid() or len(self._conns) >= self.MAX_CONNECTIONS:
+                conn.close()  # T1
+                continue
+            self._conns.add(conn)
+            threading.Thread(target=self._serve, args=(conn,), name="kvdb-vllm-conn", daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        try:
+            while not self._closed:
+                _send(conn, self.service.handle(_recv(conn)))
+        except (OSError, ConnectionError, ValueError):
+            pass
+        finally:
+            self._conns.discard(conn)
+            conn.close()
+
+    def close(self) -> None:
+        self._closed = True
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+        for c in list(self._conns):
+            try:
+                c.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+
+class ServiceClient:
+    """The scheduler's view of a service in another process. A call that cannot reach the worker
+    within ``timeout_s`` returns None (the caller treats it as a miss) and the next call
+    reconnects."""
+
+    def __init__(self, path: str, timeout_s: float) -> None:
+        self.name = socket_name(path)
+        self.timeout_s = timeout_s
+        self._sock: socket.socket | None = None
+        self._lock = threading.Lock()
+        self.failures = 0
+
+    def call(self, msg: dict) -> dict | None:
+        with self._lock:
+            for attempt in range(2):  # a dropped connection is retried once on a fresh one
+                try:
+                    if self._sock is None:
+                        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                        s.settimeout(self.timeout_s)
+                        s.connect(self.name)
+                        self._sock = s
+                    _send(self._sock, msg)
+                    return _recv(self._sock)
+                except (OSError, ConnectionError, ValueError) as e:
+                    self.close_locked()
+                    if attempt == 1:
+                        self.failures += 1
+                        if self.failures in (1, 10, 100) or self.failures % 1000 == 0:
+                            log.warning("kvdb: the worker's Db did not answer (%s); %d lookups missed so far",
+                                        e, self.failures)
+            return None
+
+    def close_locked(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+    def close(self) -> None:
+        with self._lock:
+            self.close_locked()

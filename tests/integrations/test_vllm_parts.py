@@ -1,0 +1,199 @@
+"""The vLLM connector's parts without an engine: paged layouts, settings, sizes, the lookup socket.
+
+The paged-layout tests write through vLLM's own CPU cache kernel, the one the forward pass uses,
+so a layout kvdb got wrong shows up here as unequal bytes.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+
+import pytest
+import torch
+
+import kvdb
+from kvdb.errors import InvalidInput
+from kvdb.sizes import parse_size
+
+pytestmark = pytest.mark.vllm
+if os.environ.get("KVDB_REQUIRE_VLLM") != "1":
+    pytest.importorskip("vllm", reason="vLLM is not installed (make test installs it)")
+
+from kvdb.integrations.vllm.paged import KvMap, PagedLayout, probe_cpu_layout, strided_layout  # noqa: E402
+from kvdb.integrations.vllm.service import MAX_FRAME, KvdbService, ServiceClient, socket_name  # noqa: E402
+from kvdb.integrations.vllm.settings import Settings  # noqa: E402
+
+BT, H, D, NB = 32, 2, 32, 6
+
+
+def cpu_writer(dtype):
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    isa = _get_attn_isa(dtype, BT, D)
+
+    def write(key, value, key_cache, value_cache, slot_mapping):
+        ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, isa)
+
+    return write
+
+
+def write_tokens(t, write, block: int, k, v):
+    """Write K/V [BT, H, D] into ``block`` of a CPU paged tensor the way the forward pass does."""
+    kc, vc = t.view(t.shape[0], H, 2 * BT, D).chunk(2, dim=2)
+    write(k, v, kc, vc, torch.arange(BT) + block * BT)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_cpu_layout_probe_reads_back_what_the_kernel_wrote(dtype):
+    write = cpu_writer(dtype)
+    caches = [torch.zeros(NB, H, BT, 2 * D, dtype=dtype) for _ in range(3)]
+    lay = probe_cpu_layout(caches[0], block_tokens=BT, num_heads=H, head_dim=D, write=write)
+    g = torch.Generator().manual_seed(1)
+    want = torch.randn(2, 3, 2, BT, H, D, generator=g).to(dtype)  # blocks 4 and 1, 3 layers
+    for layer, t in enumerate(caches):
+        for i, b in enumerate((4, 1)):
+            write_tokens(t, write, b, want[i, layer, 0].contiguous(), want[i, layer, 1].contiguous())
+    out = torch.zeros_like(want)
+    lay.gather(caches, torch.tensor([4, 1]), out)
+    assert torch.equal(out, want)
+    # and back: scatter into empty caches lands the same bytes where the kernel put them
+    fresh = [torch.zeros_like(t) for t in caches]
+    lay.scatter(fresh, torch.tensor([4, 1]), out)
+    for t, f in zip(caches, fresh):
+        assert torch.equal(t[4], f[4]) and torch.equal(t[1], f[1])
+        assert not f[0].any() and not f[2].any()  # nothing else written
+
+
+def test_indexed_moves_when_the_packing_is_not_strided():
+    """A tiled packing (no single stride per dim) goes through the index path, exactly."""
+    g = torch.Generator().manual_seed(2)
+    per = 2 * BT * H * D
+    perm = torch.randperm(per, generator=g)
+    within = perm.view(2, BT, H, D)
+    lay = PagedLayout(block_tokens=BT, num_heads=H, head_dim=D, num_blocks=NB, block_stride=per,
+                      maps=(KvMap(0, within[0].clone(), None), KvMap(0, within[1].clone(), None)), kind="test")
+    assert not lay.affine
+    caches = [torch.randn(NB, per, generator=g) for _ in range(2)]
+    out = torch.empty(3, 2, 2, BT, H, D)
+    ids = torch.tensor([5, 0, 3])
+    lay.gather(caches, ids, out)
+    for i, b in enumerate(ids.tolist()):
+        for layer in range(2):
+            assert torch.equal(out[i, layer].reshape(-1), caches[layer][b][perm])
+    fresh = [torch.zeros_like(c) for c in caches]
+    lay.scatter(fresh, ids, out)
+    for c, f in zip(caches, fresh):
+        assert torch.equal(c[ids], f[ids]) and not f[1].any()
+
+
+@pytest.mark.parametrize("shape_order", ["kv_first", "blocks_first", "hnd_physical"])
+def test_strided_layouts_of_gpu_backends(shape_order):
+    g = torch.Generator().manual_seed(3)
+    if shape_order == "kv_first":
+        t = torch.randn(2, NB, BT, H, D, generator=g)
+        ref = lambda b: t[:, b]  # noqa: E731
+    elif shape_order == "blocks_first":
+        t = torch.randn(NB, 2, BT, H, D, generator=g)
+        ref = lambda b: t[b]  # noqa: E731
+    else:  # physically [2, nb, H, BT, D], seen through a logical [2, nb, BT, H, D] view
+        t = torch.randn(2, NB, H, BT, D, generator=g).transpose(2, 3)
+        ref = lambda b: t[:, b]  # noqa: E731
+    lay = strided_layout(t, block_tokens=BT, num_heads=H, head_dim=D)
+    assert lay.affine
+    out = torch.empty(2, 1, 2, BT, H, D)
+    lay.gather([t], torch.tensor([3, 1]), out)
+    assert torch.equal(out[0, 0], ref(3)) and torch.equal(out[1, 0], ref(1))
+    lay.scatter([t], torch.tensor([0]), out[1:])
+    assert torch.equal(ref(0), ref(1))
+
+
+def test_unreadable_layouts_are_refused():
+    with pytest.raises(InvalidInput, match="cannot read"):
+        strided_layout(torch.zeros(NB, BT, H, D), block_tokens=BT, num_heads=H, head_dim=D)
+    with pytest.raises(InvalidInput, match="quantized"):
+        probe_cpu_layout(torch.zeros(NB, H, BT, 2 * D, dtype=torch.uint8), block_tokens=BT, num_heads=H,
+                         head_dim=D, write=None)
+
+    def drops(key, value, key_cache, value_cache, slot_mapping):  # a kernel that writes V only
+        value_cache[0] = value.permute(1, 0, 2)
+
+    with pytest.raises(InvalidInput, match="unwritten"):
+        probe_cpu_layout(torch.zeros(NB, H, BT, 2 * D), block_tokens=BT, num_heads=H, head_dim=D, write=drops)
+
+
+def test_sizes():
+    assert parse_size("4GiB", "x") == 4 << 30
+    assert parse_size(" 512 mib ", "x") == 512 << 20
+    assert parse_size("1.5GB", "x") == 1_500_000_000
+    assert parse_size(65536, "x") == 65536 and parse_size("0", "x") == 0
+    assert parse_size(None, "x", allow_none=True) is None
+    for bad in ("4 GiBs", "-1", "1.5B", "", "nan", True, 1.5, -3, 2**70, None):
+        with pytest.raises(InvalidInput, match="x"):
+            parse_size(bad, "x")
+
+
+def test_settings_from_extra_config():
+    s = Settings.from_extra({"path": "kv", "host_bytes": "1GiB", "disk_bytes": "0", "durability": "group"})
+    assert (s.host_bytes, s.disk_bytes, s.durability, s.replacer) == (1 << 30, 0, "group", "kvdb")
+    assert Settings.from_extra({"path": "kv"}).disk_bytes is None
+    for extra, match in (({}, "path"), ({"path": "kv", "hostbytes": 1}, "unknown setting"),
+                         ({"path": "kv", "durability": "fast"}, "durability"),
+                         ({"path": "kv", "host_bytes": "lots"}, "host_bytes"),
+                         ({"path": "kv", "lookup_timeout_s": 0}, "lookup_timeout_s"),
+                         ({"path": "kv", "model_id": 3}, "model_id")):
+        with pytest.raises(InvalidInput, match=match):
+            Settings.from_extra(extra)
+
+
+LAYOUT = kvdb.BlockLayout(num_layers=2, num_kv_heads=H, head_dim=D, block_tokens=BT, dtype=torch.float32)
+
+
+@pytest.fixture
+def served(tmp_path):
+    path = str(tmp_path / "db")
+    db = kvdb.open(path, layout=LAYOUT, model_id="m", host_bytes=1 << 20, disk_bytes=0)
+    svc = KvdbService(db, path)
+    svc.register()
+    yield svc
+    svc.unregister()
+    db.close()
+
+
+def test_lookups_and_session_calls_over_the_socket(served):
+    hashes = [bytes([i]) * 32 for i in range(4)]
+    keys = served.db.engine_keys(hashes[:3], tenant="acme")
+    served.db.put_blocks(keys, torch.zeros(3, *LAYOUT.block_shape))
+    client = ServiceClient(served.path, timeout_s=5.0)
+    wire = {"op": "lookup", "req": "r1", "tenant": "acme", "hashes": [h.hex() for h in hashes],
+            "params": {"session_id": "s", "agent_id": "a", "priority": 2, "expected_tool_duration_s": 5.0}}
+    got = client.call(wire)
+    assert got["hit_blocks"] == 3
+    assert [h["status"] for h in got["hints"]] == ["accepted"]
+    assert client.call(dict(wire, tenant="other"))["hit_blocks"] == 0  # another tenant's keys
+    done = client.call({"op": "finished", "req": "r1"})
+    assert [(h["hint"], h["status"]) for h in done["hints"]] == [("expected_tool_duration_s", "accepted")]
+    assert client.call({"op": "explain", "session_id": "s"})["agents"][0]["state"] == "waiting"
+    assert "unknown op" in client.call({"op": "drop_everything"})["error"]
+    assert "hex" in client.call(dict(wire, hashes=["zz"]))["error"]
+    client.close()
+
+
+def test_an_oversized_frame_closes_only_that_connection(served):
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(5)
+    s.connect(socket_name(served.path))
+    s.sendall(struct.pack(">I", MAX_FRAME + 1))
+    assert s.recv(1) == b""  # closed without buffering the body
+    s.close()
+    client = ServiceClient(served.path, timeout_s=5.0)
+    assert client.call({"op": "lookup", "req": "r", "tenant": "t", "hashes": [], "params": None})["hit_blocks"] == 0
+    client.close()
+
+
+def test_a_client_with_no_worker_misses_instead_of_failing(tmp_path):
+    client = ServiceClient(str(tmp_path / "nobody"), timeout_s=0.5)
+    assert client.call({"op": "lookup", "req": "r", "tenant": "t", "hashes": [], "params": None}) is None
+    assert client.failures == 1

@@ -1,0 +1,123 @@
+"""Runs one vLLM scenario in its own process and writes what it saw as JSON (tests/integrations/test_vllm.py).
+
+    python vllm_driver.py SCENARIO MODEL_DIR DB_PATH OUT.json
+
+A vLLM engine holds threads, a KV cache and (in the default mode) child processes for the rest
+of its process's life, so each scenario is a fresh interpreter. Scenarios:
+
+    first    one process (VLLM_ENABLE_V1_MULTIPROCESSING=0, "uni" executor): prompt P twice with
+             vLLM's own prefix cache reset between, P2 once, cache_salt and hint requests; compares
+             the blocks it loaded into the paged cache with the Db's, bit for bit
+    restart  one process on the path ``first`` used: P2 then P, each on a fresh engine cache
+    mp       vLLM's default: EngineCore and Worker in their own processes; P twice, reset between
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+
+BT = 128
+MAX_TOKENS = 16
+
+
+def prompt(seed: int, n: int = 2048) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 1000, (n,), generator=g).tolist()
+
+
+P, P2 = prompt(7), prompt(8)
+
+
+def make_llm(model: str, path: str, *, single: bool):
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    ktc = KVTransferConfig(kv_connector="KvdbConnector", kv_connector_module_path="kvdb.integrations.vllm",
+                           kv_role="kv_both", kv_load_failure_policy="recompute",
+                           kv_connector_extra_config={"path": path, "host_bytes": "256MiB"})
+    return LLM(model=model, enforce_eager=True, dtype="float32", max_model_len=4096, enable_prefix_caching=True,
+               kv_transfer_config=ktc, gpu_memory_utilization=0.5, seed=0,
+               distributed_executor_backend="uni" if single else None)
+
+
+def run(llm, ids, *, salt=None, params=None) -> dict:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=0,
+                        extra_args={"kv_transfer_params": params} if params is not None else None)
+    p = TokensPrompt(prompt_token_ids=ids)
+    if salt is not None:
+        p["cache_salt"] = salt
+    out = llm.generate([p], sp, use_tqdm=False)[0]
+    llm.reset_prefix_cache()  # the next request sees only kvdb
+    return {"cached": out.num_cached_tokens, "tokens": list(out.outputs[0].token_ids),
+            "kvdb": (out.kv_transfer_params or {}).get("kvdb")}
+
+
+def vllm_hashes(ids: list[int], salt=None) -> list[str]:
+    """vLLM's own block hashes of a prompt (what the connector keys blocks by)."""
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+    from vllm import SamplingParams
+
+    init_none_hash(get_hash_fn_by_name("sha256"))
+    req = Request("h", ids, SamplingParams(max_tokens=1), None, cache_salt=salt,
+                  block_hasher=get_request_block_hasher(BT, get_hash_fn_by_name("sha256")))
+    return [bytes(h).hex() for h in req.block_hashes]
+
+
+def first(model: str, path: str) -> dict:
+    from kvdb.integrations.vllm.service import local_service
+
+    llm = make_llm(model, path, single=True)
+    res = {"p": [run(llm, P), run(llm, P)]}
+    svc = local_service(path)
+    w = svc.worker
+    exact, compared = True, 0
+    for keys, ids in w.last_loads:
+        stored = torch.empty((len(keys), *w.layout.block_shape), dtype=w.layout.dtype)
+        svc.db.get_blocks(keys, out=stored)
+        paged = torch.empty_like(stored)
+        w.paged.gather(w.caches, torch.as_tensor(ids), paged)
+        exact &= torch.equal(paged, stored)
+        compared += len(keys)
+    res["bit_exact"], res["compared_blocks"] = exact, compared
+    res["p2"] = run(llm, P2)
+    res["salt"] = [run(llm, P, salt="tenant-a"), run(llm, P, salt="tenant-b"), run(llm, P, salt="tenant-a")]
+    hints = {"session_id": "s1", "agent_id": "planner", "ttl_s": 600, "priority": 3,
+             "expected_tool_duration_s": 30.0, "bogus_hint": 1}
+    res["hinted"] = run(llm, P2[:1000], params=hints)
+    res["malformed"] = run(llm, P2[:1000], params={"session_id": 5, "priority": "high"})
+    res["explain"] = svc.db.explain(session_id="s1")
+    res["stats"] = svc.stats()["connector"]
+    res["hashes_p"] = vllm_hashes(P)
+    return res
+
+
+def restart(model: str, path: str) -> dict:
+    llm = make_llm(model, path, single=True)
+    return {"p2": run(llm, P2), "p": run(llm, P)}
+
+
+def mp(model: str, path: str) -> dict:
+    llm = make_llm(model, path, single=False)
+    return {"p": [run(llm, P), run(llm, P)]}
+
+
+if __name__ == "__main__":
+    scenario, model, path, out = sys.argv[1:5]
+    if scenario != "mp":
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    result = {"first": first, "restart": restart, "mp": mp}[scenario](model, path)
+    with open(out, "w") as f:
+        json.dump(result, f, default=str)
+    if scenario != "mp":  # the Db is in this process: close it now, as vLLM's shutdown would
+        from kvdb.integrations.vllm.service import local_service
+
+        local_service(path).worker.close()
