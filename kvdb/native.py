@@ -177,8 +177,8 @@ class Committer:
     ``wait(lsn)`` blocks with the GIL released until ``lsn`` is durable and returns the durable
     lsn; after a failed fsync it raises ``OSError(errno)`` (then and for ever after, K2); after
     ``stop`` it returns the durable lsn when ``lsn`` is covered and raises ``CommitterClosed``
-    otherwise. The pure-Python twin is kvdb/wal/writer.py's leader/follower group commit
-    (``LogWriter(native_commit=False)``); tests run both."""
+    otherwise. The pure-Python twin is kvdb/wal/commit.py's fsync leader
+    (``GroupCommit(native_commit=False)``); tests run both."""
 
     def __init__(self, path: str, durable_lsn: int, gather_s: float, num_workers: int = 1) -> None:
         if _lib is None:

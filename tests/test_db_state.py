@@ -196,7 +196,7 @@ class DbMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.db is not None and self.DISK and not self.pins and not self.landing)
     def reopen(self, rebuild):
         self.db.close()
-        if rebuild:  # the cold tier's index rebuilt from its log alone (store invariant C6)
+        if rebuild:  # the cold tier's index rebuilt from its log alone (invariant C6, kvdb/cold/checkpoint.py)
             shutil.rmtree(os.path.join(self.tmp.name, "index"))
         host_pages, device_pages, replacer = self.open_args
         self.db = kvdb.open(self.tmp.name, host_bytes=host_pages * LAYOUT.page_bytes,

@@ -22,7 +22,6 @@ from kvdb.format.layout import BlockLayout
 from kvdb.cold import ColdStore
 from kvdb.format.record import segment_name
 from kvdb.wal.reader import summarize_segment
-from kvdb.wal.recovery import list_segments
 
 
 def run(layout: BlockLayout, total_mib: int, segment_mib: int, parent: str | None) -> None:
@@ -37,7 +36,7 @@ def run(layout: BlockLayout, total_mib: int, segment_mib: int, parent: str | Non
             s.put(keys, pages, durability="none")
             s.delete(keys[::3], durability="none")
         s.flush()
-        segs = list_segments(s._fs, s.wal_dir)[:-1]
+        segs = s.segments.list()[:-1]
         s.close()
         base, walk = [], []
         for seg in segs:

@@ -125,7 +125,7 @@ def wal_dump_cmd(path: str, segment_no: int | None, as_json: bool) -> None:
     from kvdb.format.record import describe, segment_name
     from kvdb.fs import OsFs
     from kvdb.wal.reader import scan_segment
-    from kvdb.wal.recovery import list_segments
+    from kvdb.wal.segments import list_segments
 
     wal_dir = os.path.join(path, "wal")
     if not os.path.isdir(wal_dir):

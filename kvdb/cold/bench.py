@@ -10,7 +10,7 @@ Figures (all measured in one run, DESIGN.md "Performance"):
 * ``sync_ops_s``       one thread putting small blocks, each under ``sync`` (its own fsync);
 * ``group_commit_ops_s`` 8 threads putting the same small blocks under ``group``;
 * ``group_commit_native_ops_s`` the same with ``native_commit=True`` (the native committer's
-                       fsyncs instead of the Python leader's; kvdb/wal/writer.py);
+                       fsyncs instead of the Python leader's; kvdb/wal/commit.py);
 * ``ceiling_sync_ops_s`` / ``ceiling_group_ops_s`` the same two workloads with no Python in the
                        way (kvdb.native.commit_ceiling: C threads, the same record size, one
                        gathering leader per fsync): what this disk and scheduler allow.

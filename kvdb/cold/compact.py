@@ -7,7 +7,7 @@ For every sealed segment (never the active one) holding dead bytes, the records 
 blocks are copied to the head of the log -- the body bytes unchanged (sealed payloads stay
 sealed), the header re-encoded for a new lsn (format invariant R3) -- their index entries move,
 the copies are fsynced and indexed, a checkpoint is flushed beyond them, and only then is the
-old segment deleted (store invariant C4). A crash at any point leaves each block indexed at
+old segment deleted (invariant C4, kvdb/cold/checkpoint.py). A crash at any point leaves each block indexed at
 its old copy (the new one is then either replayed from the log and wins, or was never
 acknowledged) or at its new copy: never a block without a readable record.
 
@@ -18,7 +18,7 @@ into silence.
 Work is done in chunks of ``CHUNK_BYTES`` under the writer lock, so foreground writers wait at
 most one chunk.
 
-Tombstones outlive their segments (store invariant C6, ``carry_forward``)
+Tombstones outlive their segments (invariant C6 of kvdb/cold/checkpoint.py, ``carry_forward``)
     Deleting a segment must not change what a replay of the whole surviving log yields (the
     index rebuild: remove PATH/index/, reopen). Dropping a dead PUT never does: a newer record
     of its key exists. Dropping a DELETE does when a surviving *older* segment still holds a PUT
@@ -46,7 +46,6 @@ Tombstones outlive their segments (store invariant C6, ``carry_forward``)
 
 from __future__ import annotations
 
-import os
 import struct
 import time
 
@@ -58,11 +57,9 @@ from kvdb.format.record import (
     decode_put,
     encode_delete,
     encode_meta,
-    segment_name,
 )
 from kvdb.types import KEY_BYTES
-from kvdb.wal.reader import SegmentSummary, summarize_segment
-from kvdb.wal.recovery import list_segments
+from kvdb.wal.reader import SegmentSummary
 
 CHUNK_BYTES = 64 << 20
 #: keys per carried DELETE record
@@ -74,7 +71,7 @@ def expire(store, now_ns: int | None = None) -> int:
     has passed, and drop those TTL entries. Returns how many blocks were deleted."""
     now_ns = time.time_ns() if now_ns is None else now_ns
     expired = []
-    for name, value in store._index.items(iv.record_meta_key(RecordType.TTL, b"")):
+    for name, value in store.index.items(iv.record_meta_key(RecordType.TTL, b"")):
         if len(name) == KEY_BYTES and len(value) == 8 and struct.unpack("<Q", value)[0] <= now_ns:
             expired.append(name)
     if not expired:
@@ -92,7 +89,7 @@ def compact(store, progress=None, *, min_dead_fraction: float = 0.0, now_ns: int
     Returns counts: segments_before/after, segments_deleted, records_copied, bytes_copied,
     bytes_reclaimed, damaged_records. ``stop`` (a threading.Event): once set, no further chunk
     is moved (what moved is checkpointed as usual). An I/O error fails the store (C5)."""
-    store._check()
+    store.check()
     with store.sticky_io("compaction"):
         expired = expire(store, now_ns)
         out = _compact(store, progress, min_dead_fraction, stop)
@@ -102,71 +99,70 @@ def compact(store, progress=None, *, min_dead_fraction: float = 0.0, now_ns: int
 
 def _compact(store, progress, min_dead_fraction: float, stop=None) -> dict:
     out = {"records_copied": 0, "bytes_copied": 0, "damaged_records": 0}
-    w = store._writer
-    with store._ckpt_lock:
-        first = list_segments(store._fs, store.wal_dir)
+    w, segments, live = store.writer, store.segments, store.live
+    with store.ckpt.lock:
+        first = segments.list()
         out["segments_before"] = len(first)
-        before_bytes = _log_bytes(store, first)
-        store._checkpoint_locked_free()  # also deletes wholly dead segments
-        segs = list_segments(store._fs, store.wal_dir)
+        before_bytes = _log_bytes(segments, first)
+        store.ckpt.checkpoint_locked()  # also deletes wholly dead segments
+        segs = segments.list()
         with w.lock:
             active = w.segment_no
             victims = []
             for s in segs:
                 if s >= active:
                     continue
-                size = store._fs.file_bytes(os.path.join(store.wal_dir, segment_name(s)))
-                live = store._seg_live.get(s, 0)
-                dead = size - SEGMENT_HEADER_BYTES - live
+                size = segments.file_bytes(s)
+                dead = size - SEGMENT_HEADER_BYTES - live.segment_bytes(s)
                 if dead > 0 and dead >= min_dead_fraction * size:
                     victims.append(s)
-            total = sum(store._seg_live.get(s, 0) for s in victims)
+            total = sum(live.segment_bytes(s) for s in victims)
         done = 0
         if progress is not None:
             progress(0, total)
         for s in victims:
             with w.lock:
-                keys = [k for k, (_lsn, _rb, seg) in store._live.items() if seg == s]
+                keys = live.keys_in(s)
             i = 0
             while i < len(keys) and not (stop is not None and stop.is_set()):
                 chunk, nbytes = [], 0
                 while i < len(keys) and (not chunk or nbytes < CHUNK_BYTES):
                     chunk.append(keys[i])
-                    nbytes += store._live[keys[i]][1] if keys[i] in store._live else 0
+                    cur = live.get(keys[i])
+                    nbytes += cur[1] if cur is not None else 0
                     i += 1
                 moved = _move_chunk(store, s, chunk, out)
                 done += moved
                 if progress is not None:
                     progress(done, total)
-        store._checkpoint_locked_free()  # deletes every victim now wholly dead
-        segs_after = list_segments(store._fs, store.wal_dir)
+        store.ckpt.checkpoint_locked()  # deletes every victim now wholly dead
+        segs_after = segments.list()
         out["segments_after"] = len(segs_after)
         out["segments_deleted"] = len(set(first) - set(segs_after))
-        out["bytes_reclaimed"] = max(0, before_bytes - _log_bytes(store, segs_after))
+        out["bytes_reclaimed"] = max(0, before_bytes - _log_bytes(segments, segs_after))
     return out
 
 
-def _log_bytes(store, segs) -> int:
+def _log_bytes(segments, segs) -> int:
     total = 0
     for s in segs:
         try:
-            total += store._fs.file_bytes(os.path.join(store.wal_dir, segment_name(s)))
+            total += segments.file_bytes(s)
         except FileNotFoundError:
             pass
     return total
 
 
 def _move_chunk(store, segment_no: int, keys: list[bytes], out: dict) -> int:
-    w = store._writer
+    w, live = store.writer, store.live
     with w.lock:
-        store._check()
+        store.check()
         recs, metas = [], []
-        entries = store._lookup(keys)
+        entries = store.lookup(keys)
         for key, e in zip(keys, entries):
-            cur = store._live.get(key)
-            if e is None or cur is None or cur[2] != segment_no or e.segment_no != segment_no:
+            if e is None or live.segment_of(key) != segment_no or e.segment_no != segment_no:
                 continue
-            raw = store.read_record(segment_no, e.offset, e.record_bytes)
+            raw = store.reader.read_record(segment_no, e.offset, e.record_bytes)
             status, rec = (("short", None) if raw is None else check_record(raw, 0))
             if status != "ok" or rec.crc != e.crc or rec.lsn != e.lsn or rec.rtype != RecordType.PUT_BLOCK \
                     or bytes(rec.body[:KEY_BYTES]) != key:
@@ -179,39 +175,34 @@ def _move_chunk(store, segment_no: int, keys: list[bytes], out: dict) -> int:
             return 0
         locs = w.append(recs)
         moved = 0
+        entries = []
         for (key, p), loc in zip(metas, locs):
-            e = iv.BlockEntry(loc.segment_no, loc.offset, loc.record_bytes, loc.crc, loc.lsn, p.position,
-                              p.namespace_id, p.codec, p.flags, p.raw_bytes)
-            store._queue.append((loc.lsn, iv.block_key(key), iv.encode_entry(e), key))
-            store._pending[key] = (loc.lsn, e)
-            store._set_live(key, loc.lsn, loc.record_bytes, loc.segment_no, keep_order=True)
+            entries.append((key, iv.BlockEntry(loc.segment_no, loc.offset, loc.record_bytes, loc.crc, loc.lsn,
+                                               p.position, p.namespace_id, p.codec, p.flags, p.raw_bytes)))
+            live.set(key, loc.lsn, loc.record_bytes, loc.segment_no, keep_order=True)
             moved += loc.record_bytes
-        store._ckpt_log_bytes += moved
+        store.queue.put_entries(entries)
+        store.ckpt.log_bytes += moved
         last = w.next_lsn - 1
-    w.sync_to(last)
-    store._apply(last)
+    store.commit.sync_to(last)
+    store.queue.apply(last)
     out["records_copied"] += len(locs)
     out["bytes_copied"] += moved
     return moved
 
 
 def _summary(store, segment_no: int, cache: bool) -> SegmentSummary:
-    sm = store._summaries.get(segment_no)
-    if sm is None:
-        try:
-            sm = summarize_segment(os.path.join(store.wal_dir, segment_name(segment_no)), segment_no)
-        except OSError:  # a read error: judged as damage (kept, may hold anything), not cached
-            store._count(read_errors=1)
-            return SegmentSummary(segment_no)
-        if cache:
-            store._summaries[segment_no] = sm
-    return sm
+    try:
+        return store.segments.summary(segment_no, cache)
+    except OSError:  # a read error: judged as damage (kept, may hold anything), not cached
+        store.count(read_errors=1)
+        return SegmentSummary(segment_no)
 
 
 def carry_forward(store, dead: list[int], segments: list[int]) -> list[int]:
     """Before the wholly dead ``dead`` segments are deleted, append what a replay of the
     surviving log still needs from them (module doc, C6). Returns the segments that may go.
-    Caller holds ``_ckpt_lock``; an I/O error fails the store (the caller's ``sticky_io``)."""
+    Caller holds ``ckpt.lock``; an I/O error fails the store (the caller's ``sticky_io``)."""
     summaries = {s: _summary(store, s, cache=False) for s in dead}
     ok = [s for s in dead if summaries[s].complete]
     gone = set(ok)
@@ -225,17 +216,16 @@ def carry_forward(store, dead: list[int], segments: list[int]) -> list[int]:
     if not tombs and not metas:
         return ok
     newest = max(max(tombs.values(), default=0), max(metas.values(), default=0))
-    w = store._writer
+    w, live = store.writer, store.live
     with w.lock:
-        tombs = {k: s for k, s in tombs.items() if k not in store._live}
+        tombs = {k: s for k, s in tombs.items() if not live.has(k)}
     # surviving sealed segments older than what is judged, that may hold a dead record: the
     # first one (in segment order) setting each name or putting each key decides
     older = []
     for s in segments:
         if s in gone or s >= newest:
             continue
-        size = store._fs.file_bytes(os.path.join(store.wal_dir, segment_name(s)))
-        if size - SEGMENT_HEADER_BYTES - store._seg_live.get(s, 0) > 0:
+        if store.segments.file_bytes(s) - SEGMENT_HEADER_BYTES - live.segment_bytes(s) > 0:
             older.append(s)
     first_put: dict[bytes, int] = {}
     first_set: dict[tuple[int, bytes], int] = {}
@@ -254,11 +244,11 @@ def carry_forward(store, dead: list[int], segments: list[int]) -> list[int]:
     def needed(first: int | None, s: int) -> bool:
         return (first is not None and first < s) or (anything_before is not None and anything_before < s)
 
-    # under _apply_lock the index and the queue hold every record's effect, none is in flight
-    with store._apply_lock, w.lock:
-        w.check()  # not store._check(): an open's first checkpoint comes here too
-        queued = {ikey for _lsn, ikey, _v, _k in store._queue}
-        keys = [k for k, s in tombs.items() if k not in store._live and needed(first_put.get(k), s)]
+    # under queue.lock the index and the queue hold every record's effect, none is in flight
+    with store.queue.lock, w.lock:
+        w.check()  # not store.check(): an open's first checkpoint comes here too
+        queued = store.queue.queued_index_keys()
+        keys = [k for k, s in tombs.items() if not live.has(k) and needed(first_put.get(k), s)]
         records, meta_ops = [], []
         for i in range(0, len(keys), CARRY_KEYS):
             records.append((RecordType.DELETE, [encode_delete(keys[i : i + CARRY_KEYS])]))
@@ -266,7 +256,7 @@ def carry_forward(store, dead: list[int], segments: list[int]) -> list[int]:
             ikey = iv.record_meta_key(rtype, name)
             if ikey in queued:
                 continue  # a newer record of it is in the log and survives
-            value = store._index.get(ikey)
+            value = store.index.get(ikey)
             if value is not None or needed(first_set.get((rtype, name)), s):
                 records.append((rtype, [encode_meta(name, value or b"")]))
                 meta_ops.append((ikey, value))
@@ -275,12 +265,12 @@ def carry_forward(store, dead: list[int], segments: list[int]) -> list[int]:
         locs = w.append(records)
         ndel = len(records) - len(meta_ops)
         for j in range(ndel):
-            store._note_delete(locs[j].lsn, keys[j * CARRY_KEYS : (j + 1) * CARRY_KEYS])
+            store.note_delete(locs[j].lsn, keys[j * CARRY_KEYS : (j + 1) * CARRY_KEYS])
         for loc, (ikey, value) in zip(locs[ndel:], meta_ops):
-            store._queue.append((loc.lsn, ikey, value, None))
-        store._ckpt_log_bytes += sum(loc.record_bytes for loc in locs)
+            store.queue.metadata(loc.lsn, ikey, value)
+        store.ckpt.log_bytes += sum(loc.record_bytes for loc in locs)
         last = w.next_lsn - 1
-    w.sync_to(last)
-    store._apply(last)
-    store._count(tombstones_carried=len(keys), metadata_carried=len(meta_ops))
+    store.commit.sync_to(last)
+    store.queue.apply(last)
+    store.count(tombstones_carried=len(keys), metadata_carried=len(meta_ops))
     return ok

@@ -9,7 +9,7 @@ so that the replication layer above needs only these calls:
     Snapshot.take(store)      a consistent copy of the live state, read as log records
 
 Snapshot consistency (a follower's re-seed, kvdb/replication/reseed.py). ``take`` notes the
-durable lsn L, then flushes (every record <= L is now in the index: store invariant C1) and
+durable lsn L, then flushes (every record <= L is now in the index: C1, kvdb/cold/apply.py) and
 lists the live block keys and the metadata entries. The records it then reads may be newer
 than L (writes go on meanwhile) but never older, and every record of the store is a blind
 write of one key (a PUT stores it, a DELETE or an empty metadata value removes it). So the
@@ -35,13 +35,13 @@ from kvdb.format.record import (
 
 def key_check(store) -> bytes | None:
     """The store's key check (an AES-GCM seal of a known text), None when it is not encrypted."""
-    store._check()
-    return store._index.get(iv.SEAL_KEY)
+    store.check()
+    return store.index.get(iv.SEAL_KEY)
 
 
 def key_matches(store, check: bytes) -> bool:
     """True when ``store`` is encrypted with the key that made ``check``."""
-    return store is not None and store._sealer is not None and store._sealer.matches(bytes(check))
+    return store is not None and store.sealer is not None and store.sealer.matches(bytes(check))
 
 
 def open_payload(store, put):
@@ -49,9 +49,9 @@ def open_payload(store, put):
     the store's key (CorruptionError when it does not authenticate, InvalidInput without a key)."""
     if not put.flags & FLAG_SEALED:
         return put.payload
-    if store is None or store._sealer is None:
+    if store is None or store.sealer is None:
         raise InvalidInput("a sealed (encrypted) block needs a disk tier opened with the same encryption key")
-    return store._sealer.open(put.payload, aad(put.key, put.namespace_id, put.position, put.codec))
+    return store.sealer.open(put.payload, aad(put.key, put.namespace_id, put.position, put.codec))
 
 
 class Snapshot:
@@ -66,13 +66,13 @@ class Snapshot:
 
     @classmethod
     def take(cls, store) -> Snapshot:
-        store._check()
+        store.check()
         lsn = store.durable_lsn
         store.flush()
-        keys = [k for k, _e in store._index.entries()]
+        keys = [k for k, _e in store.index.entries()]
         meta = []
         for rtype in META_TYPES:
-            for name, value in store._index.items(iv.record_meta_key(rtype, b"")):
+            for name, value in store.index.items(iv.record_meta_key(rtype, b"")):
                 meta.append(encode_record(rtype, lsn, encode_meta(name, value)))
         return cls(store, lsn, keys, meta)
 
@@ -81,12 +81,12 @@ class Snapshot:
         deleted meanwhile, or whose record fails its checks, is left out and counted."""
         store = self.store
         out = []
-        for key, e in zip(keys, store._lookup(keys)):
+        for key, e in zip(keys, store.lookup(keys)):
             for _attempt in range(2):  # compaction may move a record between lookup and read
-                raw = None if e is None else store.read_record(e.segment_no, e.offset, e.record_bytes)
+                raw = None if e is None else store.reader.read_record(e.segment_no, e.offset, e.record_bytes)
                 if raw is not None or e is None:
                     break
-                (e,) = store._lookup([key])
+                (e,) = store.lookup([key])
             if raw is None:
                 self.records_missing += 1
                 continue

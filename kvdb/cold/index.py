@@ -10,7 +10,7 @@ keep the DB lock after close). Values are small (48-byte entries): no blob files
 
 Errors map to kvdb's: a held lock -> DbLockedError, "Corruption" -> CorruptionError, any other
 failure -> StorageIOError. A damaged index is never rebuilt silently; a missing (or empty)
-index/ is: the open replays the whole log into a new one (store invariant C6).
+index/ is: the open replays the whole log into a new one (C6, kvdb/cold/checkpoint.py).
 """
 
 from __future__ import annotations
@@ -114,6 +114,14 @@ class Index:
     def entries(self) -> Iterator[tuple[bytes, BlockEntry]]:
         for k, v in self.items(BLOCK_PREFIX):
             yield k, decode_entry(v)
+
+    def copy_to(self, path: str) -> None:
+        """A consistent copy of the index, openable on its own, at ``path`` (RocksDB's checkpoint:
+        tests take one to model what a crash leaves of an index whose WAL is off)."""
+        try:
+            rocksdict.Checkpoint(self._db).create_checkpoint(path)
+        except Exception as e:
+            raise map_error(e, "copying the index") from None
 
     def flush(self) -> None:
         try:

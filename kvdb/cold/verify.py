@@ -16,15 +16,12 @@ Clean means no problem at all; ``kvdb verify`` exits 3 otherwise.
 
 from __future__ import annotations
 
-import os
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
 from kvdb.errors import KvdbError
-from kvdb.format.record import segment_name
 from kvdb.wal.reader import scan_segment
-from kvdb.wal.recovery import list_segments
 
 
 @dataclass
@@ -47,15 +44,15 @@ def verify(store, progress=None) -> VerifyReport:
     store.flush()
     rep = VerifyReport()
     rep.problems.extend(f"recovery: {d}" for d in store.recovery.damage)
-    w = store._writer
-    with w.lock:  # a quiet log for the scan
-        segs = list_segments(store._fs, store.wal_dir)
-        sizes = {s: store._fs.file_bytes(os.path.join(store.wal_dir, segment_name(s))) for s in segs}
+    segments = store.segments
+    with store.writer.lock:  # a quiet log for the scan
+        segs = segments.list()
+        sizes = {s: segments.file_bytes(s) for s in segs}
         total = sum(sizes.values())
         done = 0
         prev_seg, prev_last = None, None
         for s in segs:
-            scan = scan_segment(os.path.join(store.wal_dir, segment_name(s)), s, keep_records=False)
+            scan = scan_segment(segments.path(s), s, keep_records=False)
             rep.segments += 1
             rep.log_bytes += scan.file_bytes
             if scan.first_lsn is not None and scan.last_lsn is not None:
@@ -77,7 +74,7 @@ def verify(store, progress=None) -> VerifyReport:
                 progress(done, total)
     scratch = np.empty((1, store.page_bytes), dtype=np.uint8)
     try:
-        for key, e in store._index.entries():
+        for key, e in store.index.entries():
             rep.entries += 1
             if e.segment_no not in sizes:
                 rep.problems.append(f"block {key.hex()}: its segment {e.segment_no} is missing")
@@ -86,7 +83,7 @@ def verify(store, progress=None) -> VerifyReport:
                 rep.problems.append(f"block {key.hex()}: record at segment {e.segment_no} offset {e.offset} "
                                     f"runs past the end of the file")
                 continue
-            ok = store._read_entry(key, e, scratch[0])
+            ok = store.reader.read_entry(key, e, scratch[0])
             if ok is not True:
                 rep.problems.append(f"block {key.hex()}: record at segment {e.segment_no} offset {e.offset} "
                                     "fails its checks")

@@ -22,8 +22,9 @@ from kvdb.cold.export import key_check
 from kvdb.errors import InvalidInput, KvdbError, ReplicationError
 from kvdb.replication.channel import load_secret
 from kvdb.replication.peer import Peer, PushResult
-from kvdb.replication.shipping import LogShipper, SegmentLogSource, retained_lsn
+from kvdb.replication.shipping import LogShipper, retained_lsn
 from kvdb.replication.transport import Transport
+from kvdb.wal.source import SegmentLogSource
 
 
 def log_source_for(db) -> SegmentLogSource:

@@ -11,7 +11,7 @@ kvdb/format/record.py):
                and the scan goes on. This is how a bit flip in the middle of the log is told
                apart from a torn tail without losing the acknowledged records after it.
 
-Block reads by index location do not go through here (kvdb.cold.store reads one record with
+Block reads by index location do not go through here (kvdb/cold/read.py reads one record with
 preadv straight into the caller's page and checks its crc).
 
 ``summarize_segment`` is the cheap walk segment GC needs (kvdb/cold/compact.py

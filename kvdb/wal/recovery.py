@@ -16,19 +16,19 @@ Steps (every open runs them; a clean close leaves nothing to replay but the chec
 6. with no checkpoint (a new store, or an index rebuilt from the log: PATH/index/ removed),
    replay starts at the first segment and a hole between two segments is one that segment GC
    deleted, not damage (only the index knew which segments GC took): replay resumes at the
-   next segment's first lsn. Store invariant C6 (kvdb/cold/store.py) makes the surviving
+   next segment's first lsn. Store invariant C6 (kvdb/cold/checkpoint.py) makes the surviving
    segments replay to exactly the live state.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 from kvdb.format.index_value import Checkpoint
-from kvdb.format.record import SEGMENT_HEADER_BYTES, parse_segment_name, segment_name
+from kvdb.format.record import SEGMENT_HEADER_BYTES
 from kvdb.fs import OsFs
 from kvdb.wal.reader import scan_segment
+from kvdb.wal.segments import list_segments, segment_path
 
 
 @dataclass
@@ -41,15 +41,6 @@ class RecoveryResult:
     torn_bytes: int = 0  # truncated from the tail
     segments: list[int] = field(default_factory=list)
     damage: list[str] = field(default_factory=list)
-
-
-def list_segments(fs: OsFs, wal_dir: str) -> list[int]:
-    out = []
-    for name in fs.listdir(wal_dir):
-        n = parse_segment_name(name)
-        if n is not None:
-            out.append(n)
-    return sorted(out)
 
 
 def recover(fs: OsFs, wal_dir: str, checkpoint: Checkpoint | None, apply, *, repair: bool = True) -> RecoveryResult:
@@ -89,7 +80,7 @@ def recover(fs: OsFs, wal_dir: str, checkpoint: Checkpoint | None, apply, *, rep
             else:  # a replay from the first segment: holes are segments GC deleted (step 6)
                 expect = None
         prev = s
-        path = os.path.join(wal_dir, segment_name(s))
+        path = segment_path(wal_dir, s)
         is_last = s == segs[-1]
         scan_start = start_off
         scan = scan_segment(path, s, start_off, expect, keep_records=False, on_record=on_record)

@@ -14,7 +14,7 @@ import pytest
 from cold_fixtures import TINY, key, pages_for
 
 import kvdb
-from kvdb.cold import store as store_mod
+from kvdb.cold import checkpoint as checkpoint_mod
 from kvdb.cold.store import ColdStore
 from kvdb.errors import InvalidInput
 
@@ -105,7 +105,7 @@ def test_a_held_log_is_not_compacted_in_a_loop(tmp_path):
     # a log reader (a replication slot) that has confirmed nothing keeps every segment: one
     # compaction moves the live blocks out, then the next waits until the log grew a segment
     s = _open(tmp_path / "c", max_space_amp=2.0)
-    s._retention = lambda: 0
+    s.set_retention(lambda: 0)
     keys = [key(i) for i in range(60)]
     want = _overwrite(s, keys, 6)
     assert s.maybe_compact() is not None
@@ -121,7 +121,7 @@ def test_a_held_log_is_not_compacted_in_a_loop(tmp_path):
 
 
 def test_the_flusher_compacts_while_writers_run(tmp_path, monkeypatch):
-    monkeypatch.setattr(store_mod, "AUTO_COMPACT_CHECK_S", 0.0)
+    monkeypatch.setattr(checkpoint_mod, "AUTO_COMPACT_CHECK_S", 0.0)
     s = _open(tmp_path / "c", max_space_amp=2.0, flush_interval_s=0.005)
     keys = [key(i) for i in range(60)]
     errors: list[BaseException] = []
@@ -170,12 +170,12 @@ def test_a_log_that_shrank_is_watched_again(tmp_path):
     # shrinks, and the next overwrites past the bound are compacted without waiting for the
     # log to regrow to its held size
     s = _open(tmp_path / "c", max_space_amp=2.0)
-    s._retention = lambda: 0
+    s.set_retention(lambda: 0)
     keys = [key(i) for i in range(60)]
     _overwrite(s, keys, 8)
     assert s.maybe_compact() is not None
     held = s.space()["log_bytes"]
-    s._retention = None
+    s.set_retention(None)
     s.checkpoint()  # the slot let go: the dead segments go
     assert s.space()["log_bytes"] < held / 2
     assert s.maybe_compact() is None  # the flusher's next look: under the bound, and it saw the log shrink
@@ -258,7 +258,7 @@ def test_close_stops_a_running_compaction_between_chunks(tmp_path, monkeypatch):
 
     def move_then_stop(store, seg, chunk, out):
         moved.append(len(chunk))
-        store._stop.set()  # as close() does
+        store.ckpt.stopping.set()  # as close() does
         return real(store, seg, chunk, out)
 
     monkeypatch.setattr(compact_mod, "_move_chunk", move_then_stop)

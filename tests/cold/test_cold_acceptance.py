@@ -3,7 +3,7 @@ the public surface (an audit against the issue; docs/durability.md "How it is te
 
 * ``kvdb stats PATH --json`` after a reopen -- clean close, and after a crash -- shows the disk
   tier's counts as before (the Db's lookup counters too, not only the store's);
-* a reader that looked blocks up just before compaction moved them reads them (store C3/C4:
+* a reader that looked blocks up just before compaction moved them reads them (C3 in kvdb/cold/read.py, C4 in kvdb/cold/checkpoint.py:
   "looks again once"), never a miss or a counted corruption;
 * ``kvdb compact`` draws a progress bar on a terminal, none when piped or with ``--json``;
 * a second *process* holding the store makes ``kvdb verify`` / ``compact`` / ``kvdb.open`` fail
@@ -32,7 +32,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import rocksdict
 import torch
 from click.testing import CliRunner
 from cold_fixtures import TINY, key, pages_for, write_manifest
@@ -122,7 +121,7 @@ def test_stats_json_after_a_crash_shows_the_live_blocks_and_the_last_checkpoints
 
     def snapshot(store):
         shutil.rmtree(snap, ignore_errors=True)
-        rocksdict.Checkpoint(store._index._db).create_checkpoint(str(snap))
+        store.index.copy_to(str(snap))
 
     db = kvdb.open(path, layout=LAYOUT, model_id="m", host_bytes=2 * PAGE)
     db._cold.debug_on_index_flush = snapshot
@@ -162,8 +161,8 @@ def test_a_read_that_races_compaction_reads_the_moved_blocks(tmp_path):
     with ColdStore.open(tmp_path, TINY, segment_bytes=1024, flush_interval_s=None) as s:
         s.put(keys, pages_for(keys), None, "sync")
         s.delete([keys[0], keys[2], keys[5]], "sync")
-        assert {s._live[k][2] for k in live} == {1, 2}
-        lookup, moved = s._lookup, []
+        assert {s.live.segment_of(k) for k in live} == {1, 2}
+        lookup, moved = s.lookup, []
 
         def lookup_then_compact(ks):
             entries = lookup(ks)
@@ -172,10 +171,10 @@ def test_a_read_that_races_compaction_reads_the_moved_blocks(tmp_path):
                 moved[0] = s.compact()
             return entries
 
-        s._lookup = lookup_then_compact
+        s.lookup = lookup_then_compact
         out = np.zeros((len(live), TINY.page_bytes), np.uint8)
         found = s.get_into(live, out)
-        s._lookup = lookup
+        s.lookup = lookup
         assert moved[0]["records_copied"] == 7 and moved[0]["segments_deleted"] == 2
         assert not (tmp_path / "wal" / "00000001.log").exists()
         assert found == [True] * 7
@@ -435,8 +434,8 @@ def test_damage_in_the_replayed_tail_is_not_taken_for_a_torn_tail(tmp_path, wher
     s.checkpoint()
     for k in keys[2:]:
         s.put([k], pages_for([k]), None, "sync")
-    victim = s._live[keys[4]]
-    entry = s._lookup([keys[4]])[0]
+    victim = s.live.get(keys[4])
+    entry = s.lookup([keys[4]])[0]
     s.debug_crash_close()  # the index keeps its checkpoint: reopen replays the 6 records after it
     seg = tmp_path / "wal" / "00000001.log"
     at = entry.offset + {"payload": 53 + 40, "header": 9, "length": 1}[where]

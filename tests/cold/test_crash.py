@@ -4,15 +4,17 @@ Scenario: a fixed workload of puts (none / group / sync), deletes, checkpoints a
 compaction runs once to count its I/O points; then for every point it runs again in a fresh
 directory and the machine dies there. Files are rewound to what a crash can leave ("drop":
 only synced bytes; "tear": the last write half on disk), and on odd rounds RocksDB is also rolled
-back to its last flushed state (its memtable is not logged: store invariant C1). After reopen:
+back to its last flushed state (its memtable is not logged: invariant C1, kvdb/cold/apply.py).
+After reopen:
 
 * every put and delete acknowledged under group / sync (and everything before it in the log)
-  is there, bit-exact (W2, C2);
+  is there, bit-exact (W2 in kvdb/wal/commit.py, C2 in kvdb/cold/checkpoint.py);
 * the state is exactly the log's state after *some* whole record at or beyond the last
   acknowledgement: no torn or half-written block is ever visible;
 * ``verify`` is clean;
 * rebuilding the index from the log alone (index/ removed, reopen) gives the very same state
-  (store invariant C6: GC never drops a tombstone or metadata a replay still needs).
+  (invariant C6, kvdb/cold/checkpoint.py: GC never drops a tombstone or metadata a replay
+  still needs).
 """
 
 from __future__ import annotations
@@ -21,7 +23,6 @@ import shutil
 
 import numpy as np
 import pytest
-import rocksdict
 from cold_fixtures import TINY, key, pages_for
 
 from kvdb.cold import ColdStore
@@ -161,7 +162,7 @@ def test_crash_at_every_io_point(tmp_path):
             # a consistent copy (RocksDB's own checkpoint): a file copy of the live directory
             # races RocksDB's background compaction, which may delete an SST mid-copy
             shutil.rmtree(snap, ignore_errors=True)
-            rocksdict.Checkpoint(s._index._db).create_checkpoint(str(snap))
+            s.index.copy_to(str(snap))
 
         model = Model()
         crashed = False

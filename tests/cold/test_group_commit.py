@@ -1,5 +1,5 @@
-"""Group commit: the queue of ColdStore (``group`` puts from many threads share one append and
-one fsync) and the LogWriter's waiters. The file layer's fsync is held open by a
+"""Group commit (kvdb/wal/commit.py): the commit queue (``group`` puts from many threads share one
+append and one fsync) and the fsync leader's waiters. The file layer's fsync is held open by a
 fault-injecting OsFs, so which writers share which fsync is decided by the test, not by thread
 timing. ``native_commit=True`` runs the native committer (native/kvdb_native.c) instead of the
 Python leader/follower; its tests are at the end: agreement with the Python path byte for byte,
@@ -20,6 +20,7 @@ from kvdb.cold.store import ColdStore
 from kvdb.errors import DbFailedError, InvalidInput, StorageIOError
 from kvdb.format.record import RecordType, encode_meta
 from kvdb.fs import OsFs
+from kvdb.wal.commit import GroupCommit
 from kvdb.wal.writer import LogWriter
 
 FOLLOWERS = 7
@@ -82,7 +83,7 @@ def _run_group(store: ColdStore, fs: HeldSyncFs, fail_second: bool) -> tuple[lis
     others = [threading.Thread(target=put, args=(t,)) for t in range(1, 1 + FOLLOWERS)]
     for th in others:
         th.start()
-    _wait_for(lambda: len(store._gq) == FOLLOWERS, "the queued group puts")
+    _wait_for(lambda: store.commit.queued == FOLLOWERS, "the queued group puts")
     fs.release.set()
     for th in [first, *others]:
         th.join(30)
@@ -154,7 +155,7 @@ def test_many_writers_with_deletes_and_sync_puts_all_commit_and_read_back(tmp_pa
     fs = SlowSyncFs() if path == "python" else OsFs()
     store = ColdStore.open(tmp_path / "s", TINY, fs=fs, flush_interval_s=None, segment_bytes=16 << 10,
                            native_commit=path == "native")
-    assert (store._writer.committer is not None) == (path == "native")
+    assert (store.commit.committer is not None) == (path == "native")
     group_keys = [[key(1000 + 100 * t + i) for i in range(60)] for t in range(8)]
     sync_keys = [key(5000 + i) for i in range(30)]
     doomed = [k for ks in group_keys for k in ks[:5]]
@@ -231,6 +232,7 @@ def test_a_writer_waiting_on_a_failed_fsync_fails_and_never_fsyncs_again(tmp_pat
     fs = FailingHeldSyncFs()
     (tmp_path / "wal").mkdir()
     w = LogWriter(fs, str(tmp_path / "wal"), segment_no=1, offset=0, next_lsn=1, segment_bytes=1 << 20)
+    c = GroupCommit(w)
     fs.armed = True
     outcome: dict = {}
 
@@ -238,7 +240,7 @@ def test_a_writer_waiting_on_a_failed_fsync_fails_and_never_fsyncs_again(tmp_pat
         with w.lock:
             (loc,) = w.append([(RecordType.SESSION, [encode_meta(name.encode(), b"v")])])
         try:
-            w.sync_to(loc.lsn)
+            c.sync_to(loc.lsn)
             outcome[name] = "ok"
         except DbFailedError:
             outcome[name] = "failed"
@@ -250,14 +252,14 @@ def test_a_writer_waiting_on_a_failed_fsync_fails_and_never_fsyncs_again(tmp_pat
     assert fs.entered.wait(30)
     b = threading.Thread(target=writer, args=("b",))
     b.start()
-    _wait_for(lambda: len(w._waiters) == 1, "writer b to wait for the fsync")
+    _wait_for(lambda: c.waiting == 1, "writer b to wait for the fsync")
     fs.release.set()
     a.join(30)
     b.join(30)
     assert outcome == {"a": "io error: EIO", "b": "failed"}
     assert fs.syncs_after_arm == 1
-    assert w.durable_lsn == 0
-    w.close()
+    assert c.durable_lsn == 0
+    c.close()
 
 
 # ---------------------------------------------------------------- the native committer
@@ -288,7 +290,7 @@ def test_native_committer_writes_the_same_log_as_the_python_path(tmp_path):
     for name in ("native", "python"):
         store = ColdStore.open(tmp_path / name, TINY, flush_interval_s=None, segment_bytes=2048,
                                native_commit=name == "native")
-        assert (store._writer.committer is not None) == (name == "native")
+        assert (store.commit.committer is not None) == (name == "native")
         _workload(store)
         all_keys = [key(k) for k in range(400)]
         out = np.zeros((len(all_keys), TINY.page_bytes), np.uint8)
@@ -314,7 +316,7 @@ def test_native_fsync_error_is_typed_sticky_and_loses_nothing_acknowledged(tmp_p
     # StorageIOError or DbFailedError, no later fsync acknowledges anything (K2), every later
     # call raises DbFailedError, and after a reopen every acknowledged page reads back exact.
     store = ColdStore.open(tmp_path / "s", TINY, flush_interval_s=None, native_commit=True)
-    c = store._writer.committer
+    c = store.commit.committer
     acked = [key(1000 + t) for t in range(4)]
     for k in acked:
         store.put([k], pages_for([k]), None, "group")

@@ -1,5 +1,5 @@
 """Rebuilding the index from the log alone (remove PATH/index/, reopen) gives exactly the live
-set, after checkpoints and compaction have deleted segments (store invariant C6): a deleted,
+set, after checkpoints and compaction have deleted segments (invariant C6, kvdb/cold/checkpoint.py): a deleted,
 evicted or overwritten block never comes back, metadata survives, removed metadata stays removed.
 
 Layout of every scenario: 128-byte pages (PUT records of 181 bytes) in 512-byte segments, so a
@@ -18,7 +18,6 @@ from kvdb.cold.compact import compact
 from kvdb.errors import CorruptionError, InvalidInput
 from kvdb.format.record import segment_name
 from kvdb.fs import FaultFs
-from kvdb.wal.recovery import list_segments
 
 from cold_fixtures import TINY, key, pages_for
 
@@ -32,7 +31,7 @@ def open_store(path, **kw) -> ColdStore:
 
 
 def segments(store) -> list[int]:
-    return list_segments(store._fs, store.wal_dir)
+    return store.segments.list()
 
 
 def live(store, keys) -> dict[bytes, bytes]:
@@ -60,7 +59,7 @@ def delete_in_a_dead_segment(s: ColdStore) -> None:
     put(s, [N])
     put(s, [P])
     s.delete([M, N], "sync")
-    assert {k: s._live[k][2] for k in s._live} == {L: 1, P: 3}
+    assert {k: s.live.segment_of(k) for k in s.live.keys()} == {L: 1, P: 3}
 
 
 @pytest.mark.parametrize("gc", ["checkpoint", "compact"])
@@ -112,7 +111,7 @@ def test_eviction_in_a_collected_segment_stays_evicted(tmp_path):
         put(s, [K, L])
         put(s, [M])
         put(s, [N])  # evicts K: segment 2 holds PUT M, DELETE K, PUT N
-        assert {k: s._live[k][2] for k in s._live} == {L: 1, M: 2, N: 2}
+        assert {k: s.live.segment_of(k) for k in s.live.keys()} == {L: 1, M: 2, N: 2}
         s.delete([M, N], "sync")
         put(s, [P])  # segment 3
         s.checkpoint()

@@ -6,7 +6,6 @@ from __future__ import annotations
 from cold_fixtures import TINY, key, pages_for
 
 from kvdb.cold.store import ColdStore
-from kvdb.wal.recovery import list_segments
 
 
 def test_segments_above_the_floor_survive_compaction(tmp_path):
@@ -20,17 +19,17 @@ def test_segments_above_the_floor_survive_compaction(tmp_path):
         for i in range(0, 40, 4):
             store.put(keys[i : i + 4], pages_for(keys[i : i + 4]), durability="sync")
         store.delete(keys, durability="sync")
-        before = list_segments(store._fs, store.wal_dir)
+        before = store.segments.list()
         assert len(before) > 3
         floor = [5]
         store.set_retention(lambda: floor[0])
         store.compact()
-        kept = list_segments(store._fs, store.wal_dir)
+        kept = store.segments.list()
         assert before[:3] == [1, 2, 3]
         assert 1 not in kept and 2 not in kept and set(before[2:]) <= set(kept)
         floor[0] = None  # the follower is gone / caught up: no retention
         store.compact()
-        after = list_segments(store._fs, store.wal_dir)
+        after = store.segments.list()
         assert not set(before) & set(after)
     finally:
         store.close()

@@ -257,9 +257,9 @@ def test_compaction_deletes_ttl_expired_blocks(tmp_path):
 def test_sliced_read_ahead_of_back_to_back_records(tmp_path, monkeypatch):
     # Scenario: 40 raw records back to back read in slices of 5 by the read-ahead thread; record 17
     # has a flipped payload bit: exactly that one is a miss and a corruption.
-    import kvdb.cold.store as store_mod
+    import kvdb.cold.read as read_mod
 
-    monkeypatch.setattr(store_mod, "READ_SLICE_BYTES", 5 * (53 + TINY.page_bytes))
+    monkeypatch.setattr(read_mod, "READ_SLICE_BYTES", 5 * (53 + TINY.page_bytes))
     keys = [key(i) for i in range(40)]
     with open_store(tmp_path) as s:
         s.put(keys, pages_for(keys), None, "sync")

@@ -1,6 +1,6 @@
 """Hypothesis state machine: ColdStore against a dict model, through puts, deletes, metadata,
 evictions under disk_bytes, TTL expiry, checkpoints, compaction, clean reopens, crashes (the
-index rolled back to its last flush) and index rebuilds from the log alone (store invariant C6:
+index rolled back to its last flush) and index rebuilds from the log alone (invariant C6, kvdb/cold/checkpoint.py:
 no deleted, evicted, expired or overwritten block and no removed metadata ever comes back).
 
 Scenario: 8 keys, 128-byte pages in 512-byte segments (two puts per segment, so segments are

@@ -18,8 +18,8 @@ import kvdb
 from kvdb.replication import NodeServer
 from kvdb.replication.channel import Channel
 from kvdb.replication.replicator import Replicator
-from kvdb.replication.shipping import SegmentLogSource
 from kvdb.replication.sink import LogSink
+from kvdb.wal.source import SegmentLogSource
 
 from .conftest import LAYOUT, SECRET, make_blocks, make_keys, wait_for
 

@@ -1,5 +1,5 @@
-"""SegmentLogSource over a real log written by kvdb.wal.writer.LogWriter (small segments), read
-while it grows: batches are consecutive, exact bytes, cut at max_bytes and upto_lsn."""
+"""SegmentLogSource over a real log written by kvdb.wal.writer.LogWriter (small segments) and made
+durable by kvdb.wal.commit.GroupCommit, read while it grows: batches are consecutive, exact bytes, cut at max_bytes and upto_lsn."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import pytest
 from kvdb.errors import CorruptionError
 from kvdb.format.record import RecordType, check_record
 from kvdb.fs import OsFs
-from kvdb.replication.shipping import SegmentLogSource
+from kvdb.wal.commit import GroupCommit
+from kvdb.wal.source import SegmentLogSource
 from kvdb.wal.writer import LogWriter
 
 
@@ -22,25 +23,26 @@ def _body(i: int) -> bytes:
 def log(tmp_path):
     wal = tmp_path / "wal"
     os.makedirs(wal)
-    w = LogWriter(OsFs(), str(wal), segment_no=1, offset=0, next_lsn=1, segment_bytes=600)
-    yield w, SegmentLogSource(wal, durable=lambda: w.durable_lsn)
-    w.close()
+    c = GroupCommit(LogWriter(OsFs(), str(wal), segment_no=1, offset=0, next_lsn=1, segment_bytes=600))
+    yield c, SegmentLogSource(wal, durable=lambda: c.durable_lsn)
+    c.close()
 
 
-def _append(w, first: int, n: int) -> None:
-    with w.lock:
-        w.append([(RecordType.DELETE if i % 3 == 0 else RecordType.SESSION, [_body(i)]) for i in range(first, first + n)])
-    w.sync_to(first + n - 1)
+def _append(c, first: int, n: int) -> None:
+    with c.writer.lock:
+        c.writer.append([(RecordType.DELETE if i % 3 == 0 else RecordType.SESSION, [_body(i)])
+                         for i in range(first, first + n)])
+    c.sync_to(first + n - 1)
 
 
 def test_reads_span_segments_in_order_with_exact_bytes(log):
     # Scenario: the source looks at the log while it holds only a segment header (its map of
     # that segment is then stale); 12 records of 101..112 body bytes are appended across
     # several 600-byte segments; batches of <= 400 bytes come back consecutive and intact.
-    w, src = log
+    c, src = log
     assert (src.durable_lsn(), src.first_lsn()) == (0, 1)
     assert src.read_records(0, 400, 0) == []
-    _append(w, 1, 12)
+    _append(c, 1, 12)
     assert len(os.listdir(src.wal_dir)) >= 3
     got, after = [], 0
     while after < 12:
@@ -55,18 +57,18 @@ def test_reads_span_segments_in_order_with_exact_bytes(log):
 
 
 def test_upto_lsn_and_a_reconnect_at_another_position(log):
-    w, src = log
-    _append(w, 1, 6)
+    c, src = log
+    _append(c, 1, 6)
     assert [lsn for lsn, _ in src.read_records(0, 1 << 20, 4)] == [1, 2, 3, 4]  # S3: nothing past upto
     assert [lsn for lsn, _ in src.read_records(2, 1 << 20, 6)] == [3, 4, 5, 6]  # cursor miss: walks headers
     assert src.read_records(6, 1 << 20, 6) == []
-    _append(w, 7, 2)
+    _append(c, 7, 2)
     assert [lsn for lsn, _ in src.read_records(6, 1 << 20, 8)] == [7, 8]
 
 
 def test_a_deleted_segment_means_reseed(log):
-    w, src = log
-    _append(w, 1, 12)
+    c, src = log
+    _append(c, 1, 12)
     os.unlink(os.path.join(src.wal_dir, "00000001.log"))
     assert src.first_lsn() > 1
     with pytest.raises(CorruptionError, match="no record 1.*re-seeded"):

@@ -221,7 +221,7 @@ def test_a_follower_behind_the_log_killed_mid_reseed_holds_old_or_new_and_resume
     k2, b2 = make_keys(160, tag=76), make_blocks(160, seed=76)
     f = nodes(tmp_path / "f", secret_file, transport="tcp")
     db = _open(tmp_path / "leader")
-    db.cold_store._writer.segment_bytes = 16 * RECORD_BYTES  # test: small segments, so compaction frees some
+    db.cold_store.writer.segment_bytes = 16 * RECORD_BYTES  # test: small segments, so compaction frees some
     try:
         rep = Replicator(db, replicas=[f.address], secret=SECRET, transport="tcp")
         db.put_blocks(k1, b1, durability="group")

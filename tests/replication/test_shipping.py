@@ -206,7 +206,7 @@ def test_streams_are_woken_by_the_store_not_by_polling(netns, tmp_path, secret_f
                 lsn = rep.shipper.sync(30)
                 assert lsn == db.cold_store.durable_lsn
                 assert _holds(f.address, keys, blocks)
-            assert rep.shipper._on_durable in db.cold_store._durable_listeners
+            assert rep.shipper._on_durable in db.cold_store.queue.listeners
         finally:
             rep.close()
-        assert db.cold_store._durable_listeners == ()
+        assert db.cold_store.queue.listeners == ()

@@ -1,0 +1,150 @@
+"""IndexQueue: the index updates of appended records, on their way to RocksDB.
+
+Every append of the cold store queues the index writes its records stand for, in lsn order,
+under ``writer.lock`` (so queue order is lsn order): a PUT's entry, a DELETE's removals, a
+metadata value. Block updates are also published at once in ``pending`` (key -> (lsn, entry or
+None)), where readers find them before RocksDB has them (``lookup``). Whoever learns that the
+log is durable up to some lsn writes the queue's durable prefix to RocksDB in one batch
+(``apply``) and drops those keys from ``pending``; ``group`` commits leave that to the next
+flush unless ``APPLY_BATCH`` updates wait (kvdb/cold/store.py).
+
+Then the durability listeners run (``add_listener``: log shipping wakes its streams), outside
+every lock.
+
+Invariant
+    C1  RocksDB only ever holds index entries of fsynced records, applied in lsn order: any
+        state a crash leaves it in is the log's state at some durable lsn (its memtable is not
+        logged, so a crash rolls it back to an earlier such state, never forward).
+
+Locks
+    ``lock``      serialises ``apply`` (and lets segment GC see the queue and the index hold
+                  every record's effect, kvdb/cold/compact.py ``carry_forward``).
+    writer.lock   the queue's order and ``pending`` change under it (taken after ``lock``).
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+
+from kvdb.format import index_value as iv
+from kvdb.format.record import META_TYPES, RECORD_HEADER_BYTES, RecordType, decode_delete, decode_meta, decode_put
+
+
+def index_ops(segment_no: int, offset: int, rtype: int, lsn: int, crc: int, body) -> list:
+    """The index writes one log record stands for (recovery's replay: kvdb/cold/store.py)."""
+    if rtype == RecordType.PUT_BLOCK:
+        p = decode_put(body)
+        e = iv.BlockEntry(segment_no, offset, RECORD_HEADER_BYTES + len(body), crc, lsn, p.position,
+                          p.namespace_id, p.codec, p.flags, p.raw_bytes)
+        return [(iv.block_key(p.key), iv.encode_entry(e))]
+    if rtype == RecordType.DELETE:
+        return [(iv.block_key(k), None) for k in decode_delete(body)]
+    if rtype in META_TYPES:
+        name, value = decode_meta(body)
+        return [(iv.record_meta_key(rtype, name), value if value else None)]
+    return []
+
+
+class IndexQueue:
+    def __init__(self, index, writer) -> None:
+        """``index``: the store's Index (kvdb/cold/index.py); ``writer``: its LogWriter (whose
+        lock orders the queue, and which a failed index write fails, C5)."""
+        self.index = index
+        self.writer = writer
+        self.lock = threading.Lock()
+        self._queue: collections.deque = collections.deque()  # (lsn, index key, value|None, block key|None)
+        self._pending: dict[bytes, tuple[int, iv.BlockEntry | None]] = {}
+        self._listeners: tuple = ()  # called with the new durable lsn
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    # -- queueing (caller holds writer.lock)
+
+    def put_entries(self, entries) -> None:
+        """(block key, BlockEntry) of appended PUT records, in lsn order."""
+        queue, pending, prefix, encode = self._queue, self._pending, iv.BLOCK_PREFIX, iv.encode_entry
+        for key, e in entries:
+            queue.append((e.lsn, prefix + key, encode(e), key))
+            pending[key] = (e.lsn, e)
+
+    def delete(self, lsn: int, keys: list[bytes]) -> None:
+        """The keys of an appended DELETE record."""
+        for key in keys:
+            self._queue.append((lsn, iv.block_key(key), None, key))
+            self._pending[key] = (lsn, None)
+
+    def metadata(self, lsn: int, index_key: bytes, value: bytes | None) -> None:
+        """An appended metadata record (``value`` None: the name is removed)."""
+        self._queue.append((lsn, index_key, value, None))
+
+    def queued_index_keys(self) -> set[bytes]:
+        """Index keys with an update still queued (caller holds ``lock`` and writer.lock)."""
+        return {ikey for _lsn, ikey, _v, _k in self._queue}
+
+    # -- reading
+
+    def lookup(self, keys: list[bytes], is_live) -> list[iv.BlockEntry | None]:
+        """Entries of ``keys``: from ``pending``, else from RocksDB for keys ``is_live`` (the
+        live set's ``has``; a key not live is not looked up)."""
+        out: list = [None] * len(keys)
+        missing = []
+        pending = self._pending
+        for i, k in enumerate(keys):
+            p = pending.get(k)
+            if p is not None:
+                out[i] = p[1]
+            elif is_live(k):
+                missing.append(i)
+        if missing:
+            got = self.index.get_entries([keys[i] for i in missing])
+            for i, e in zip(missing, got):
+                out[i] = e
+        return out
+
+    # -- applying (C1)
+
+    def apply(self, lsn: int) -> None:
+        """Write the durable prefix of the queue (lsn <= ``lsn``) to RocksDB (C1), then tell
+        the listeners. An index write error fails the log (C5)."""
+        with self.lock:
+            ops, done = [], []
+            q = self._queue
+            while q and q[0][0] <= lsn:
+                op_lsn, ikey, value, key = q.popleft()
+                ops.append((ikey, value))
+                if key is not None:
+                    done.append((key, op_lsn))
+            try:
+                self.index.write(ops)
+            except Exception as e:
+                self.writer.fail(e)
+                raise
+            with self.writer.lock:
+                for key, op_lsn in done:
+                    p = self._pending.get(key)
+                    if p is not None and p[0] == op_lsn:
+                        del self._pending[key]
+        self.notify(lsn)
+
+    # -- durability listeners
+
+    def notify(self, lsn: int) -> None:
+        for fn in self._listeners:  # outside the locks: a listener only wakes threads
+            fn(lsn)
+
+    @property
+    def listeners(self) -> tuple:
+        return self._listeners
+
+    def add_listener(self, fn) -> None:
+        with self.lock:
+            self._listeners = (*self._listeners, fn)
+
+    def remove_listener(self, fn) -> None:
+        with self.lock:
+            self._listeners = tuple(f for f in self._listeners if f != fn)  # bound methods: ==
+
+
+__all__ = ["IndexQueue", "index_ops"]

@@ -1,0 +1,258 @@
+"""BlockReader: reading blocks out of log segments by index location, checked.
+
+An index entry names a record (segment, offset, length, crc, lsn). A read opens the segment
+through a cache of read fds (one per segment, pinned while in use) and reads the record back:
+
+* raw, unsealed pages are read with ``preadv`` straight into the caller's row, after their
+  header; records that lie back to back in a segment are read as one run (``read_runs``), in
+  slices of ``READ_SLICE_BYTES``, by a read-ahead thread while the calling thread checks the
+  slices already read (preadv and crc32c both release the GIL);
+* every other record is read whole, checked, unsealed and decoded (``read_entry``).
+
+Invariant
+    C3  a read returns a page only if its record's crc, type, lsn and key match the index
+        entry and its payload decodes (and authenticates) to exactly page_bytes; otherwise the
+        read is a miss, the row is zeroed and ``corruptions`` counts it (kvdb/cold/store.py
+        ``get_into``). A read error is a counted miss too (``read_errors``), never a reason
+        to fail the store.
+
+A segment deleted by GC after a reader looked a block up (C4, kvdb/cold/checkpoint.py) is either
+still open here (POSIX unlink: the pinned fd keeps reading it; ``retire`` closes it when the
+last pin goes) or gone, and then ``read_entry`` answers None: look the block up again.
+
+Locks
+    ``_fd_lock``  the fd cache ``_fds`` and the read-ahead pool.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import threading
+
+import numpy as np
+
+from kvdb import native
+from kvdb.cold.codec import aad, decode_page
+from kvdb.errors import CorruptionError
+from kvdb.format import index_value as iv
+from kvdb.format.record import (
+    FLAG_SEALED,
+    PUT_PAYLOAD_OFFSET,
+    RECORD_HEADER,
+    RECORD_HEADER_BYTES,
+    Codec,
+    RecordType,
+    check_record,
+    decode_put,
+)
+from kvdb.fs import IOV_MAX
+from kvdb.types import KEY_BYTES
+
+READ_SLICE_BYTES = 4 << 20  # raw runs are read and checked in slices of this many bytes
+
+
+def check_raw(key: bytes, e: iv.BlockEntry, head: bytearray, row: np.ndarray) -> bool:
+    """C3 for a raw page read into ``row`` after its record's ``head``."""
+    length, crc, rtype, lsn = RECORD_HEADER.unpack_from(head, 0)
+    if (length + RECORD_HEADER_BYTES != e.record_bytes or crc != e.crc or rtype != RecordType.PUT_BLOCK
+            or lsn != e.lsn or head[RECORD_HEADER_BYTES:RECORD_HEADER_BYTES + KEY_BYTES] != key):
+        return False
+    return native.crc32c(row, native.crc32c(memoryview(head)[8:])) == crc
+
+
+class BlockReader:
+    def __init__(self, segments, *, page_bytes: int, itemsize: int, sealer, live, count) -> None:
+        """``segments``: the log's SegmentSet (paths and the file layer); ``sealer``: the
+        store's Sealer or None; ``live``: its LiveSet (is a vanished segment still counted?);
+        ``count(**deltas)``: the store's counters."""
+        self.segments = segments
+        self.fs = segments.fs
+        self.page_bytes = page_bytes
+        self.itemsize = itemsize
+        self.sealer = sealer
+        self.live = live
+        self.count = count
+        self._fd_lock = threading.Lock()
+        self._fds: dict[int, list] = {}  # segment -> [fd, pins, retired]
+        self._pool = None  # read-ahead thread of raw runs, made on first use
+
+    # -- the fd cache
+
+    def _pin_fd(self, segment_no: int) -> int | None:
+        with self._fd_lock:
+            ent = self._fds.get(segment_no)
+            if ent is None:
+                try:
+                    fd = self.fs.open_read(self.segments.path(segment_no))
+                except FileNotFoundError:
+                    return None
+                ent = self._fds[segment_no] = [fd, 0, False]
+            ent[1] += 1
+            return ent[0]
+
+    def _unpin_fd(self, segment_no: int, fd: int) -> None:
+        with self._fd_lock:
+            ent = self._fds.get(segment_no)
+            if ent is not None and ent[0] == fd:
+                ent[1] -= 1
+                if ent[2] and ent[1] == 0:
+                    del self._fds[segment_no]
+                    os.close(fd)
+
+    def retire(self, segment_no: int) -> None:
+        """The segment is being deleted: close its fd now, or when the last reader unpins it."""
+        with self._fd_lock:
+            ent = self._fds.get(segment_no)
+            if ent is None:
+                return
+            if ent[1] == 0:
+                del self._fds[segment_no]
+                os.close(ent[0])
+            else:
+                ent[2] = True
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+        with self._fd_lock:
+            for fd, _pins, _retired in self._fds.values():
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+            self._fds.clear()
+
+    def _read_pool(self):
+        with self._fd_lock:
+            if self._pool is None:
+                self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvdb-cold-read")
+            return self._pool
+
+    # -- reads
+
+    def read_into(self, keys: list[bytes], entries: list, out: np.ndarray) -> list:
+        """Read ``entries`` (looked up for ``keys``) into ``out``'s rows. Per key: True (hit),
+        False (damaged, C3), "absent" (no entry) or None (its segment is gone: look it up
+        again and ``read_entry``)."""
+        results: list = [None] * len(keys)
+        self.read_runs(keys, entries, out, results)
+        for i, (key, e) in enumerate(zip(keys, entries)):
+            if e is None:
+                results[i] = "absent"
+            elif results[i] is None:
+                results[i] = self.read_entry(key, e, out[i])
+        return results
+
+    def read_runs(self, keys, entries, out: np.ndarray, results: list) -> None:
+        """Raw, unsealed pages whose records lie back to back in a segment are read with one
+        preadv per run, straight into their rows (the same I/O a plain sequential read does)."""
+        want = PUT_PAYLOAD_OFFSET + self.page_bytes
+        cand = sorted((e.segment_no, e.offset, i) for i, e in enumerate(entries)
+                      if e is not None and e.codec == Codec.RAW and not (e.flags & FLAG_SEALED)
+                      and e.record_bytes == want)
+        j = 0
+        while j < len(cand):
+            seg, off, _ = cand[j]
+            run = [cand[j][2]]
+            j += 1
+            while j < len(cand) and len(run) < IOV_MAX // 2 and cand[j][0] == seg \
+                    and cand[j][1] == off + len(run) * want:
+                run.append(cand[j][2])
+                j += 1
+            if len(run) == 1:
+                continue  # the per-entry path handles it (and its retry)
+            fd = self._pin_fd(seg)
+            if fd is None:
+                continue
+            try:
+                # read and check the run in slices: the checksums of one slice overlap the
+                # device reading the next (posix_fadvise WILLNEED over the run measured slower)
+                per = max(1, READ_SLICE_BYTES // want)
+                slices = []
+                for a in range(0, len(run), per):
+                    part = run[a : a + per]
+                    heads = [bytearray(PUT_PAYLOAD_OFFSET) for _ in part]
+                    bufs = []
+                    for h, i in zip(heads, part):
+                        bufs.append(h)
+                        bufs.append(out[i])
+                    slices.append((part, heads, bufs, off + a * want))
+                # a reader thread runs ahead through the slices (preadv releases the GIL) while
+                # this thread checks the ones already read (crc32c releases it too)
+                pool = self._read_pool() if len(slices) > 1 else None
+                futs = [pool.submit(self._safe_preadv, fd, b, o) if pool else None for _p, _h, b, o in slices]
+                for (part, heads, bufs, o), fut in zip(slices, futs):
+                    n = fut.result() if fut is not None else self._safe_preadv(fd, bufs, o)
+                    for k, (h, i) in enumerate(zip(heads, part)):
+                        if n < (k + 1) * want:
+                            results[i] = False
+                        else:
+                            results[i] = check_raw(keys[i], entries[i], h, out[i])
+            finally:
+                self._unpin_fd(seg, fd)
+
+    def read_entry(self, key: bytes, e: iv.BlockEntry, row: np.ndarray):
+        """True: row holds the page. False: damaged. None: the segment is gone (retry)."""
+        fd = self._pin_fd(e.segment_no)
+        if fd is None:
+            # GC deleted the segment (C4 stops counting it first): the block moved since the
+            # caller looked it up, so look again; a segment the store still counts is damage
+            return None if not self.live.is_counted(e.segment_no) else False
+        try:
+            if e.codec == Codec.RAW and not (e.flags & FLAG_SEALED) \
+                    and e.record_bytes == PUT_PAYLOAD_OFFSET + self.page_bytes:
+                return self._read_raw(fd, key, e, row)
+            return self._read_decoded(fd, key, e, row)
+        except OSError:
+            # a read error is a miss (counted), not a reason to fail the store
+            self.count(read_errors=1)
+            return False
+        finally:
+            self._unpin_fd(e.segment_no, fd)
+
+    def _read_raw(self, fd: int, key: bytes, e: iv.BlockEntry, row: np.ndarray) -> bool:
+        head = bytearray(PUT_PAYLOAD_OFFSET)
+        n = self.fs.preadv(fd, [head, row], e.offset)  # straight into the caller's row
+        if n != e.record_bytes:
+            return False
+        return check_raw(key, e, head, row)
+
+    def _safe_preadv(self, fd: int, bufs: list, offset: int) -> int:
+        try:
+            return self.fs.preadv(fd, bufs, offset)
+        except OSError:
+            return 0
+
+    def _read_decoded(self, fd: int, key: bytes, e: iv.BlockEntry, row: np.ndarray) -> bool:
+        buf = self.fs.pread(fd, e.record_bytes, e.offset)
+        status, rec = check_record(buf, 0)
+        if status != "ok" or rec.crc != e.crc or rec.lsn != e.lsn or rec.rtype != RecordType.PUT_BLOCK \
+                or rec.record_bytes != e.record_bytes:
+            return False
+        try:
+            p = decode_put(rec.body)
+            if p.key != key or p.raw_bytes != self.page_bytes:
+                return False
+            payload = p.payload
+            if p.flags & FLAG_SEALED:
+                if self.sealer is None:
+                    return False
+                payload = self.sealer.open(payload, aad(key, p.namespace_id, p.position, p.codec))
+            decode_page(payload, p.codec, self.itemsize, row)
+        except CorruptionError:
+            return False
+        return True
+
+    def read_record(self, segment_no: int, offset: int, nbytes: int) -> bytes | None:
+        """Raw bytes of one record (compaction, verify, export); None when the segment is gone."""
+        fd = self._pin_fd(segment_no)
+        if fd is None:
+            return None
+        try:
+            return self.fs.pread(fd, nbytes, offset)
+        finally:
+            self._unpin_fd(segment_no, fd)
+
+
+__all__ = ["BlockReader", "READ_SLICE_BYTES", "check_raw"]

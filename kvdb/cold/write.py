@@ -1,0 +1,149 @@
+"""LogAppender: the cold store's appends, and the bookkeeping each one owes.
+
+Puts are encoded (codec, seal) outside any lock (``encode``). Then, under ``writer.lock``, every
+append of the store goes through here: its records are written (kvdb/wal/writer.py), and before
+the lock is let go its index updates are queued in lsn order and published to readers
+(kvdb/cold/apply.py), the live set follows (kvdb/cold/live.py), the log bytes since the last
+checkpoint grow (kvdb/cold/checkpoint.py) and the writer-side counters (puts, deletes,
+evictions) change -- all under that one lock, so none of them can disagree with the log's
+order.
+
+Under ``disk_bytes`` a put batch is planned first (``LiveSet.plan_evictions``): the oldest live
+blocks are evicted by a DELETE record appended in the same writev, ahead of the puts.
+
+``append_batches`` is the commit queue's hook (kvdb/wal/commit.py): it appends every batch the
+queue's leader gathered, with one writev when no eviction is planned.
+"""
+
+from __future__ import annotations
+
+from kvdb.cold.codec import aad, encode_page
+from kvdb.format import index_value as iv
+from kvdb.format.record import (
+    FLAG_SEALED,
+    NO_POSITION,
+    PUT_FIXED,
+    RECORD_HEADER_BYTES,
+    RecordType,
+    buffer_bytes,
+    encode_delete,
+    encode_meta,
+    encode_put_fixed,
+)
+
+
+class LogAppender:
+    def __init__(self, store, counters: dict) -> None:
+        """``store``: the ColdStore whose parts it updates; ``counters``: its counters dict,
+        whose writer-side keys change here, under writer.lock."""
+        self.store = store
+        self.counters = counters
+
+    def encode(self, keys: list[bytes], pages, positions, namespace_id: int) -> list:
+        """(key, fixed PUT fields, payload) per page, sealed when the store is encrypted."""
+        st = self.store
+        codec, itemsize, page_bytes, sealer = st.codec, st.itemsize, st.page_bytes, st.sealer
+        items = []
+        for i, key in enumerate(keys):
+            pos = NO_POSITION if positions is None or positions[i] is None else int(positions[i])
+            used, payload = encode_page(pages[i], codec, itemsize)
+            flags = 0
+            if sealer is not None:
+                payload = sealer.seal(payload, aad(key, namespace_id, pos, used))
+                flags |= FLAG_SEALED
+            fixed = encode_put_fixed(key, namespace_id, pos, used, flags, page_bytes)
+            items.append((key, fixed, payload))
+        return items
+
+    def append_puts(self, items: list) -> int:
+        """Append one put batch (evicting first under ``disk_bytes``); returns the last lsn."""
+        st = self.store
+        w = st.writer
+        with w.lock:
+            st.check()
+            evict: list[bytes] = []
+            if st.disk_bytes is not None:
+                sizes = [RECORD_HEADER_BYTES + len(f) + buffer_bytes(p) for _k, f, p in items]
+                dropped, evict = st.live.plan_evictions(sizes, [k for k, _f, _p in items], st.disk_bytes)
+                if dropped:
+                    self.counters["evictions"] += dropped
+                    items = items[dropped:]
+            records = []
+            if evict:
+                records.append((RecordType.DELETE, [encode_delete(evict)]))
+            records.extend((RecordType.PUT_BLOCK, [fixed, payload]) for _k, fixed, payload in items)
+            locs = w.append(records)  # an I/O error fails the writer (C5)
+            if evict:
+                self.note_delete(locs[0].lsn, evict)
+                self.counters["evictions"] += len(evict)
+                locs = locs[1:]
+            self._note_puts(items, locs)
+            return w.next_lsn - 1
+
+    def append_batches(self, batches: list[list]) -> int:
+        """The commit queue's hook: append several put batches in order; one writev for all of
+        them unless eviction is on (then each batch is planned on its own, as alone)."""
+        st = self.store
+        w = st.writer
+        with w.lock:
+            if st.disk_bytes is not None or len(batches) == 1:
+                for items in batches:
+                    last = self.append_puts(items)
+                return last
+            st.check()
+            items = [it for b in batches for it in b]
+            locs = w.append([(RecordType.PUT_BLOCK, [fixed, payload]) for _k, fixed, payload in items])
+            self._note_puts(items, locs)
+            return w.next_lsn - 1
+
+    def _note_puts(self, items: list, locs: list) -> None:
+        """Caller holds writer.lock: queue the index updates of appended puts, publish them."""
+        st = self.store
+        entries = []
+        set_live = st.live.set
+        nbytes = 0
+        for (key, fixed, _payload), loc in zip(items, locs):
+            _, ns, pos, codec, flags, _, raw = PUT_FIXED.unpack(fixed)
+            seg, lsn, rbytes = loc.segment_no, loc.lsn, loc.record_bytes
+            entries.append((key, iv.BlockEntry(seg, loc.offset, rbytes, loc.crc, lsn, pos, ns, codec, flags, raw)))
+            set_live(key, lsn, rbytes, seg)
+            nbytes += rbytes
+        st.queue.put_entries(entries)
+        st.ckpt.log_bytes += nbytes
+        self.counters["puts"] += len(items)
+
+    def note_delete(self, lsn: int, keys: list[bytes]) -> None:
+        """Caller holds writer.lock: the keys of an appended DELETE record are gone."""
+        st = self.store
+        st.queue.delete(lsn, keys)
+        for key in keys:
+            st.live.set(key, lsn, 0, 0)
+
+    def append_delete(self, keys: list[bytes]):
+        """Delete the live ones of ``keys``: (the DELETE record's lsn, how many), or (None, 0)."""
+        st = self.store
+        w = st.writer
+        with w.lock:
+            st.check()
+            live = [k for k in dict.fromkeys(keys) if st.live.has(k)]
+            if not live:
+                return None, 0
+            (loc,) = w.append([(RecordType.DELETE, [encode_delete(live)])])  # an I/O error fails the writer (C5)
+            self.note_delete(loc.lsn, live)
+            st.ckpt.log_bytes += loc.record_bytes
+            self.counters["deletes"] += len(live)
+        return loc.lsn, len(live)
+
+    def append_metadata(self, rtype: int, name: bytes, value: bytes) -> int:
+        """A SESSION / TTL / LEASE record (empty ``value``: removed); returns its lsn."""
+        st = self.store
+        w = st.writer
+        with w.lock:
+            st.check()
+            (loc,) = w.append([(rtype, [encode_meta(name, value)])])  # an I/O error fails the writer (C5)
+            st.queue.metadata(loc.lsn, iv.record_meta_key(rtype, name), value or None)
+            st.ckpt.log_bytes += loc.record_bytes
+        return loc.lsn
+
+
+__all__ = ["LogAppender"]
