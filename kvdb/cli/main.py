@@ -20,6 +20,7 @@ COMMAND_MODULES = [
     "kvdb.cli.demo",
     "kvdb.cli.replicate",
     "kvdb.cli.sim",
+    "kvdb.cli.vllm",
 ]
 
 

@@ -40,7 +40,7 @@ def make_llm(model: str, path: str, *, single: bool):
                            kv_role="kv_both", kv_load_failure_policy="recompute",
                            kv_connector_extra_config={"path": path, "host_bytes": "256MiB"})
     return LLM(model=model, enforce_eager=True, dtype="float32", max_model_len=4096, enable_prefix_caching=True,
-               kv_transfer_config=ktc, gpu_memory_utilization=0.5, seed=0,
+               kv_transfer_config=ktc, gpu_memory_utilization=0.5, kv_cache_memory_bytes=256 << 20, seed=0,
                distributed_executor_backend="uni" if single else None)
 
 

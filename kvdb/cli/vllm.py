@@ -1,0 +1,46 @@
+"""``kvdb bench vllm``: TTFT in a real vLLM with kvdb as its KV connector (kvdb/bench/vllm.py).
+
+Needs vLLM (``make install-vllm`` installs the CPU build); the import happens inside the command
+so that ``kvdb --help`` stays fast and works without it.
+"""
+
+from __future__ import annotations
+
+import click
+
+from kvdb.cli.output import emit, json_option, progress
+
+
+@click.command("vllm")
+@click.option("--prompt-tokens", default=8192, show_default=True, help="prompt length (tokens)")
+@click.option("--stored-fraction", default=7 / 8, show_default=True, type=float,
+              help="share of the prompt seen before (rounded down to whole 128-token blocks)")
+@click.option("--repeats", default=3, show_default=True, help="rounds; each figure is the median")
+@click.option("--data-dir", type=click.Path(file_okay=False), default=None, help="default: a temporary directory")
+@json_option
+def bench_vllm_cmd(prompt_tokens: int, stored_fraction: float, repeats: int, data_dir: str | None, as_json: bool) -> None:
+    """TTFT of one long prompt: recompute vs vLLM's own prefix cache vs kvdb's host and disk tiers.
+
+    Goals: kvdb_host_s <= 1.25 x vllm_prefix_hit_s, kvdb_disk_s <= 2 x vllm_prefix_hit_s,
+    recompute_s / kvdb_host_s >= 3.
+    """
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        raise click.UsageError("this command needs vLLM: make install-vllm (the CPU build)") from None
+    if repeats < 1:
+        raise click.BadParameter("must be >= 1", param_hint="--repeats")
+    if not 0 < stored_fraction < 1:
+        raise click.BadParameter("must be between 0 and 1", param_hint="--stored-fraction")
+    if prompt_tokens < 512:
+        raise click.BadParameter("must be >= 512", param_hint="--prompt-tokens")
+    from kvdb.bench.vllm import bench_vllm
+
+    with progress(2, "bench vllm", enabled=not as_json) as advance:
+        res = bench_vllm(prompt_tokens=prompt_tokens, stored_fraction=stored_fraction, repeats=repeats,
+                         data_dir=data_dir, progress=advance)
+    emit(res, as_json)
+
+
+def register(cli: click.Group) -> None:
+    cli.commands["bench"].add_command(bench_vllm_cmd)
