@@ -226,6 +226,20 @@ class Committer:
         """Tests: the committer's next fsync fails with ``err`` (EIO, ENOSPC)."""
         _lib.kvdb_committer_debug_fail_next(self._c, err)
 
+    def debug_hold(self, hold: bool) -> None:
+        """Tests: while held, the workers start no fsync (as if one were still running), so
+        waiters queue up into a batch of known size; releasing wakes them. stop overrides it."""
+        _lib.kvdb_committer_debug_hold(self._c, 1 if hold else 0)
+
+    def debug_state(self) -> dict:
+        """Tests: what the committer has seen, to order a test's threads by it instead of by
+        sleeps: ``waiters`` blocked in wait, ``arrived`` (those no started fsync covers),
+        ``expect`` (the batch it gathers for), workers ``sleeping`` without a deadline (nothing
+        to do, or held), and ``naps``, how many times a worker went to sleep so."""
+        out = _ffi.new("int64_t[5]")
+        _lib.kvdb_committer_debug_state(self._c, out)
+        return dict(zip(("waiters", "arrived", "expect", "sleeping", "naps"), out))
+
     def stop(self) -> None:
         """Fsync what waiters are owed (K4), join the thread, wake everyone. Idempotent."""
         _lib.kvdb_committer_stop(self._c)

@@ -22,6 +22,8 @@ int64_t kvdb_committer_durable(kvdb_committer *c);
 uint64_t kvdb_committer_fsyncs(kvdb_committer *c);
 int kvdb_committer_error(kvdb_committer *c);
 void kvdb_committer_debug_fail_next(kvdb_committer *c, int err);
+void kvdb_committer_debug_hold(kvdb_committer *c, int hold);
+void kvdb_committer_debug_state(kvdb_committer *c, int64_t *out);
 void kvdb_committer_stop(kvdb_committer *c);
 void kvdb_committer_free(kvdb_committer *c);
 int kvdb_commit_ceiling(const char *path, int threads, int n_per_thread, size_t record_bytes,

@@ -184,6 +184,9 @@ typedef struct kvdb_committer {
     int joined;
     int error;                /* errno of the first failed fsync, 0 while healthy (K2) */
     int debug_fail_errno;     /* tests: the next fsync fails with this errno */
+    int debug_hold;           /* tests: workers start no fsync while set (stop overrides it) */
+    int sleeping;             /* workers asleep without a deadline (nothing to do, or held) */
+    uint64_t naps;            /* times a worker went to sleep so (tests observe it) */
     int64_t durable;          /* highest durable lsn */
     int64_t wanted;           /* highest lsn a waiter asked for (all <= it are in the file) */
     int64_t started;          /* highest lsn an fsync in flight or done covers */
@@ -234,9 +237,12 @@ static void *committer_main(void *arg) {
     uint64_t fd_gen = 0;   /* the generation fd belongs to */
     pthread_mutex_lock(&c->mu);
     for (;;) {
-        if (c->error || c->wanted <= c->started) {
+        if (c->error || c->wanted <= c->started || (c->debug_hold && !c->stop)) {
             if (c->stop) break;
+            c->sleeping++;
+            c->naps++;
             pthread_cond_wait(&c->work, &c->mu);
+            c->sleeping--;
             continue;
         }
         /* gather: enough waiters, or the deadline, or stop */
@@ -430,6 +436,32 @@ int kvdb_committer_error(kvdb_committer *c) {
 void kvdb_committer_debug_fail_next(kvdb_committer *c, int err) {
     pthread_mutex_lock(&c->mu);
     c->debug_fail_errno = err;
+    pthread_mutex_unlock(&c->mu);
+}
+
+/* Tests: while held, the workers start no fsync, as if the one before were still running:
+ * waiters queue up and count as arrived, so a test can build a batch of known size. Releasing
+ * wakes the workers. A stop overrides a hold (K4). */
+void kvdb_committer_debug_hold(kvdb_committer *c, int hold) {
+    pthread_mutex_lock(&c->mu);
+    c->debug_hold = hold;
+    if (!hold) pthread_cond_broadcast(&c->work);
+    pthread_mutex_unlock(&c->mu);
+}
+
+/* Tests: what the committer has seen, so that a test orders its threads by the committer's
+ * state rather than by sleeps: out[0] waiters blocked in kvdb_committer_wait, out[1] arrived,
+ * out[2] expect, out[3] workers asleep without a deadline (nothing to do, or held), out[4] times
+ * a worker went to sleep so. */
+void kvdb_committer_debug_state(kvdb_committer *c, int64_t *out) {
+    pthread_mutex_lock(&c->mu);
+    int64_t waiters = 0;
+    for (commit_waiter *w = c->head; w; w = w->next) waiters++;
+    out[0] = waiters;
+    out[1] = c->arrived;
+    out[2] = c->expect;
+    out[3] = c->sleeping;
+    out[4] = (int64_t)c->naps;
     pthread_mutex_unlock(&c->mu);
 }
 

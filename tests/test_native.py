@@ -290,6 +290,27 @@ def test_crc32c_table_path_matches_python(crc_sw, data, value, offset):
 # compared end to end (same log bytes) in tests/cold/test_group_commit.py.
 
 
+def _until(cond, what: str, timeout_s: float = 30.0) -> None:
+    """Poll the committer's state until ``cond()`` (the polling only observes: the order of the
+    steps comes from what the committer reports, not from how long anything took)."""
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting until {what}"
+        time.sleep(0.001)
+
+
+def _start_wait(c, lsn: int, got: dict) -> threading.Thread:
+    t = threading.Thread(target=lambda: got.__setitem__(lsn, c.wait(lsn)), daemon=True)
+    t.start()
+    return t
+
+
+def _join_all(threads, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+
+
 @pytest.fixture
 def committer(tmp_path):
     path = tmp_path / "seg"
@@ -313,17 +334,18 @@ def test_committer_waits_publishes_and_counts(committer):
 
 
 def test_committer_wakes_every_waiter_of_a_batch(committer):
+    # Scenario: 20 writers wait while the workers are held (as if an fsync were running); once
+    # released, one fsync covers all 20 and wakes every one of them, though two workers are free.
     c = committer
+    c.debug_hold(True)
     got: dict = {}
-    threads = [threading.Thread(target=lambda n=n: got.__setitem__(n, c.wait(n))) for n in range(11, 31)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    assert sorted(got) == list(range(11, 31))
-    assert all(got[n] >= n for n in got)
-    assert c.durable_lsn == 30
-    assert 1 <= c.num_fsyncs <= 20
+    threads = [_start_wait(c, n, got) for n in range(11, 31)]
+    _until(lambda: c.debug_state()["waiters"] == 20, "all 20 writers wait")
+    assert c.num_fsyncs == 0 and c.durable_lsn == 10 and got == {}
+    c.debug_hold(False)
+    _join_all(threads)
+    assert got == {n: 30 for n in range(11, 31)}  # durable moved once, from 10 to 30
+    assert c.num_fsyncs == 1
 
 
 @pytest.mark.parametrize("err", [errno.EIO, errno.ENOSPC])
@@ -406,36 +428,34 @@ def test_committer_rejects_bad_worker_counts(tmp_path):
 
 def test_committer_publish_recounts_waiters_so_the_next_one_is_not_stranded(tmp_path):
     # Scenario (found in review): a batch of waiters makes the worker expect a batch as large
-    # next time. A waiter covered by a publish (the writer's own fsync) while the worker
-    # gathers must not stay counted as waiting, or the next lone waiter does not signal the
-    # worker, asleep without a deadline by then, and blocks until some other fsync. Every
-    # wait here must end by itself: a hang is the failure (the sleeps only order the steps).
+    # next time. A waiter covered by a publish (the writer's own fsync) must not stay counted
+    # as waiting, or the next lone waiter does not signal the worker, asleep without a deadline
+    # by then, and blocks until some other fsync. The steps are ordered by the committer's
+    # state (debug_hold, debug_state); t8's wait must end by itself: a hang is the failure.
     path = tmp_path / "seg"
-    with open(path, "wb") as f:
-        f.write(os.urandom(1 << 20) * 32)  # dirty pages: the first fsync takes a while
-    c = native.Committer(str(path), 0, gather_s=0.3, num_workers=1)
+    path.write_bytes(b"")
+    c = native.Committer(str(path), 0, gather_s=0.05, num_workers=1)
     got: dict = {}
-
-    def start(n: int) -> threading.Thread:
-        t = threading.Thread(target=lambda: got.__setitem__(n, c.wait(n)), daemon=True)
-        t.start()
-        return t
-
     try:
-        first = start(1)
-        time.sleep(0.005)
-        batch = [start(n) for n in (2, 3, 4, 5)]  # arrive during the first fsync
-        for t in (first, *batch):
-            t.join(30)
-        t7 = start(7)
-        time.sleep(0.05)
-        c.publish(7)  # covers the gathering waiter
+        c.debug_hold(True)  # 5 waiters, then one fsync for all: the worker expects 5 from now on
+        batch = [_start_wait(c, n, got) for n in range(1, 6)]
+        _until(lambda: c.debug_state()["waiters"] == 5, "5 writers wait")
+        c.debug_hold(False)
+        _join_all(batch)
+        assert c.num_fsyncs == 1 and c.debug_state()["expect"] == 5
+        c.debug_hold(True)  # a lone waiter, counted as arrived, then covered by a publish
+        t7 = _start_wait(c, 7, got)
+        _until(lambda: c.debug_state()["arrived"] == 1, "the waiter for 7 is counted")
+        c.publish(7)
         t7.join(30)
-        time.sleep(0.4)  # past the gather deadline
-        t8 = start(8)
-        t8.join(30)
+        assert got[7] == 7 and c.num_fsyncs == 1  # the publish covered it, no fsync
+        naps = c.debug_state()["naps"]
+        c.debug_hold(False)  # nothing is wanted now: the worker sleeps without a deadline
+        _until(lambda: (s := c.debug_state())["naps"] > naps and s["sleeping"] == 1, "the worker sleeps again")
+        t8 = _start_wait(c, 8, got)
+        t8.join(10)
         assert not t8.is_alive(), "a lone waiter after a publish was never committed"
-        assert got[7] >= 7 and got[8] >= 8
+        assert got[8] == 8 and c.num_fsyncs == 2
     finally:
         c.publish(100)
         c.stop()
@@ -469,8 +489,12 @@ def test_commit_ceiling_counts_fsyncs_and_removes_its_file(tmp_path):
     secs, fsyncs = native.commit_ceiling(str(path), 1, 20, 4149)
     assert secs > 0 and fsyncs == 20  # one writer: one fdatasync per record
     assert not path.exists()
-    secs, fsyncs = native.commit_ceiling(str(path), 4, 10, 4149)
-    assert secs > 0 and 10 <= fsyncs <= 40  # four writers share fsyncs; each record covered once
+    # Four writers, 50 records each: a writer appends its next record only once an fsync
+    # covered the last one, so an fsync covers 1 to 4 records (50 to 200 fsyncs). They share:
+    # a leader waits (up to 1 ms) for the others' records, and records appended during an
+    # fsync share the next one, so 200 fsyncs, none shared, would take 200 such misses in a row.
+    secs, fsyncs = native.commit_ceiling(str(path), 4, 50, 4149)
+    assert secs > 0 and 50 <= fsyncs < 200
     assert not path.exists()
 
 
