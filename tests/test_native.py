@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import errno
 import hashlib
-import os
 import struct
 import threading
 import time
