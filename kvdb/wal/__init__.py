@@ -1,1 +1,2 @@
-"""The write-ahead log: segments, writer with group commit, reader, recovery."""
+"""The write-ahead log: segments, the writer (append, rotate), group commit, reader, recovery, and
+the segment source log shipping reads."""
