@@ -112,6 +112,7 @@ class ColdStore:
 
     def __init__(self) -> None:  # use open()
         self.closed = True
+        self._crashed = False
 
     # ------------------------------------------------------------------ open / close
 
@@ -219,6 +220,7 @@ class ColdStore:
         if self.closed:
             return
         self.ckpt.stop_flusher()
+        self._crashed = True  # failed from now on, as a dead process's store is
         self._release()
 
     def _release(self) -> None:
@@ -263,7 +265,7 @@ class ColdStore:
 
     @property
     def failed(self) -> bool:
-        return self.writer.error is not None
+        return self._crashed or self.writer.error is not None
 
     @property
     def durable_lsn(self) -> int:
