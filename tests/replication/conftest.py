@@ -13,11 +13,13 @@ import signal
 import subprocess
 import sys
 import time
+from functools import partial
 
+import helpers
 import pytest
 import torch
 
-from kvdb.format.layout import BlockLayout
+from kvdb import BlockLayout
 from kvdb.replication.bench import die_with_parent
 from kvdb.replication.netns import netns_unavailable, private_netns
 from kvdb.replication.transport import mooncake_import_error
@@ -25,6 +27,8 @@ from kvdb.replication.transport import mooncake_import_error
 SECRET = b"0123456789abcdef-test-cluster-secret"
 # 4 layers x 2 (k, v) x 16 tokens x 2 heads x 32 dims x 2 bytes = 16 KiB pages
 LAYOUT = BlockLayout(num_layers=4, num_kv_heads=2, head_dim=32, block_tokens=16, dtype=torch.bfloat16)
+#: a Db of the replication tests: 64 host pages of LAYOUT over an unbounded disk tier
+open_db = partial(helpers.open_db, layout=LAYOUT, host_pages=64, disk_bytes=None)
 
 _NETNS_WHY = netns_unavailable()
 _TE_WHY = mooncake_import_error()

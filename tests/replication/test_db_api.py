@@ -3,6 +3,8 @@ db.push, remote lookup on a local miss, db.sync_replicas (inside a private names
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 
@@ -10,12 +12,10 @@ import kvdb
 from kvdb.errors import InvalidInput
 from kvdb.replication import Peer
 
-from .conftest import LAYOUT, SECRET, TRANSPORTS, make_blocks, make_keys
+from .conftest import LAYOUT, SECRET, TRANSPORTS, make_blocks, make_keys, open_db
 from .test_push import server  # noqa: F401 - the in-process node fixture
 
-
-def _open(path, **kw):
-    return kvdb.open(path, layout=LAYOUT, model_id="m", host_bytes=16 * LAYOUT.page_bytes, disk_bytes=0, **kw)
+_open = partial(open_db, host_pages=16, model_id="m", disk_bytes=0)
 
 
 @pytest.mark.parametrize("server", TRANSPORTS, indirect=True)

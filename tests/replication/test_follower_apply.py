@@ -21,13 +21,9 @@ from kvdb.replication.replicator import Replicator
 from kvdb.replication.sink import LogSink
 from kvdb.wal.source import SegmentLogSource
 
-from .conftest import LAYOUT, SECRET, make_blocks, make_keys, wait_for
+from .conftest import LAYOUT, SECRET, make_blocks, make_keys, open_db, wait_for
 
 PAGE = LAYOUT.page_bytes
-
-
-def _open(path, **kw):
-    return kvdb.open(path, layout=LAYOUT, model_id="test-model", host_bytes=64 * PAGE, **kw)
 
 
 def _state(db, keys, names) -> tuple[dict, dict]:
@@ -51,7 +47,7 @@ class _Follower:
     """An in-process follower node (a Db, its LogSink and a NodeServer) that can be restarted."""
 
     def __init__(self, path, port: int = 0, **kw) -> None:
-        self.db = _open(path, **kw)
+        self.db = open_db(path, **kw)
 
         def reopen(p, host_bytes=64 * PAGE):  # what kvdb replicate serve passes: its own options
             return kvdb.open(p, host_bytes=host_bytes, **kw)
@@ -77,7 +73,7 @@ def test_metadata_reaches_the_follower_across_its_restart(netns, tmp_path):
     keys, blocks = make_keys(4, tag=60), make_blocks(4, seed=60)
     past = struct.pack("<Q", time.time_ns() - 10**9)
     f = _Follower(tmp_path / "f")
-    db = _open(tmp_path / "leader")
+    db = open_db(tmp_path / "leader")
     rep = Replicator(db, replicas=[f.address], secret=SECRET, transport="tcp")
     try:
         db.put_blocks(keys, blocks, durability="group")
@@ -108,7 +104,7 @@ def test_metadata_reaches_the_follower_across_its_restart(netns, tmp_path):
         rep.close()
         db.close()
         f.stop()
-    with _open(tmp_path / "f") as plain:
+    with open_db(tmp_path / "f") as plain:
         assert plain.cold_store.find_metadata("lease", b"l1") == b"holder-2"
         assert plain.cold_store.find_metadata("session", b"s1") is None
 
@@ -134,8 +130,8 @@ def test_any_split_resend_and_restart_converges(ops, cuts, resend, restart):
     keys = make_keys(6, tag=61)
     pages = make_blocks(6, seed=61)
     names = [bytes([n]) * 3 for n in range(3)]
-    with tempfile.TemporaryDirectory() as tmp, _open(os.path.join(tmp, "leader")) as db, \
-            _open(os.path.join(tmp, "f")) as fdb:
+    with tempfile.TemporaryDirectory() as tmp, open_db(os.path.join(tmp, "leader")) as db, \
+            open_db(os.path.join(tmp, "f")) as fdb:
         for op in ops:
             if op[0] == "put":
                 db.put_blocks([keys[i] for i in op[1]], pages[list(op[1])], durability="group")
@@ -201,7 +197,7 @@ def test_encrypted_log_ships_sealed_and_only_to_a_follower_with_the_key(netns, t
     good = _Follower(tmp_path / "good", encryption_key_file=key)
     plain = _Follower(tmp_path / "plain")
     wrong = _Follower(tmp_path / "wrong", encryption_key_file=other)
-    db = _open(tmp_path / "leader", encryption_key_file=key)
+    db = open_db(tmp_path / "leader", encryption_key_file=key)
     rep = Replicator(db, replicas=[good.address, plain.address, wrong.address], secret=SECRET, transport="tcp")
     try:
         db.put_blocks(keys, blocks, durability="group")

@@ -4,25 +4,21 @@ with exact frame accounting, and pushes that land in the peer's arena (node.py N
 from __future__ import annotations
 
 import threading
+from functools import partial
 
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-import kvdb
 from kvdb.buffer_pool.pool import HOST
 from kvdb.errors import CapacityError, InvalidInput, ReplicationError
 from kvdb.replication import NodeServer, Peer
 
-from .conftest import LAYOUT, SECRET, make_blocks, make_keys, needs_te
+from .conftest import LAYOUT, SECRET, make_blocks, make_keys, needs_te, open_db
 from .test_push import _FlipOneByte
 
 PAGE = LAYOUT.page_bytes
-
-
-def _open(path, frames: int, disk: bool = False):
-    return kvdb.open(path, layout=LAYOUT, model_id="m", host_bytes=frames * PAGE,
-                     disk_bytes=None if disk else 0)
+_open = partial(open_db, model_id="m", disk_bytes=0)
 
 
 def _host(db):
@@ -62,7 +58,7 @@ def test_reserve_commit_release_accounting(tmp_path):
     # them under 3 keys: stored bit-exact in those very frames (no copy). Reserve 2 more and
     # release them as a failed digest check would: nothing visible, the frames free again and
     # reusable by the next reservation.
-    with _open(tmp_path / "db", 8) as db:
+    with _open(tmp_path / "db", host_pages=8) as db:
         assert _check_pool(db) == (0, 8, 0)
         res = db.reserve_frames(3)
         assert (res.frames, res.addrs) == ([0, 1, 2], [res.arena.data_ptr() + f * PAGE for f in (0, 1, 2)])
@@ -96,7 +92,7 @@ def test_reserve_evicts_like_a_put_and_is_all_or_nothing(tmp_path):
     # Scenario: 4 frames full with 4 pages, 2 of them pinned. Reserving 2 evicts the 2 unpinned
     # pages; reserving 3 more is refused (only the 2 reserved + 2 pinned exist) with nothing
     # evicted; the pinned pages stay readable.
-    with _open(tmp_path / "db", 4) as db:
+    with _open(tmp_path / "db", host_pages=4) as db:
         blocks, keys = make_blocks(4, seed=3), make_keys(4, tag=3)
         db.put_blocks(keys, blocks)
         with db.pin(keys[2:]):
@@ -122,7 +118,7 @@ def test_commit_skips_stored_keys_and_uses_the_reservation_up(tmp_path):
     # Scenario: a chunk of 4 frames whose keys are [stored, new, new-duplicate, new]: the stored
     # key keeps its old bytes, the duplicate's frame is released, 2 new pages are committed in
     # place. A commit with the wrong number of keys raises and still releases every frame.
-    with _open(tmp_path / "db", 8) as db:
+    with _open(tmp_path / "db", host_pages=8) as db:
         old = make_blocks(1, seed=4)
         keys = make_keys(3, tag=4)
         db.put_blocks(keys[:1], old)
@@ -151,7 +147,7 @@ def test_durable_commit_reaches_the_disk_tier_before_returning(tmp_path):
     # Scenario: commit_frames(durability="sync") on a Db with a disk tier: the pages are clean
     # in memory (already on disk), and after close + reopen they read back bit-exact.
     blocks, keys = make_blocks(3, seed=6), make_keys(3, tag=6)
-    with _open(tmp_path / "db", 8, disk=True) as db:
+    with _open(tmp_path / "db", host_pages=8, disk_bytes=None) as db:
         res = db.reserve_frames(3)
         _land(res, blocks)
         assert db.commit_frames(keys, res, durability="sync") == 3
@@ -167,7 +163,7 @@ def test_durable_commit_reaches_the_disk_tier_before_returning(tmp_path):
         assert not db.pool.is_dirty(extra_key[0])
         assert _check_pool(db) == (4, 4, 0)
         keys, blocks = keys + extra_key, torch.cat([blocks, extra])
-    with _open(tmp_path / "db", 8, disk=True) as db:
+    with _open(tmp_path / "db", host_pages=8, disk_bytes=None) as db:
         assert torch.equal(_stored(db, keys), blocks)
 
 
@@ -181,7 +177,7 @@ def test_reservations_keep_pool_invariants(tmp_path_factory, ops):
     held: list = []
     model: dict[bytes, torch.Tensor] = {}
     n = 0
-    with _open(path, 6) as db:
+    with _open(path, host_pages=6) as db:
         for op, k in ops:
             if op == "reserve":
                 try:
@@ -224,7 +220,7 @@ def test_reservations_keep_pool_invariants(tmp_path_factory, ops):
 @pytest.fixture
 def node(netns, tmp_path, request):
     frames = getattr(request, "param", 64)
-    db = _open(tmp_path / "peer", frames)
+    db = _open(tmp_path / "peer", host_pages=frames)
     srv = NodeServer(db, "127.0.0.1:0", SECRET, node="decode-0", transport="mooncake").start()
     yield srv
     srv.stop()
@@ -290,7 +286,7 @@ def test_sync_push_into_frames_is_on_disk_when_acknowledged(netns, tmp_path):
     # is acknowledged only after commit_frames wrote it to the disk tier: the pages are clean in
     # memory, and after the peer's Db closes, PATH reopens with every block bit-exact.
     blocks, keys = make_blocks(5, seed=14), make_keys(5, tag=14)
-    db = _open(tmp_path / "peer", 16, disk=True)
+    db = _open(tmp_path / "peer", host_pages=16, disk_bytes=None)
     srv = NodeServer(db, "127.0.0.1:0", SECRET, transport="mooncake").start()
     try:
         with Peer(srv.address, secret=SECRET, transport="mooncake", chunk_bytes=2 * PAGE) as p:
@@ -301,7 +297,7 @@ def test_sync_push_into_frames_is_on_disk_when_acknowledged(netns, tmp_path):
     finally:
         srv.stop()
         db.close()
-    with _open(tmp_path / "peer", 16, disk=True) as again:
+    with _open(tmp_path / "peer", host_pages=16, disk_bytes=None) as again:
         assert torch.equal(_stored(again, keys), blocks)
 
 
@@ -312,7 +308,7 @@ def test_frames_of_a_dropped_connection_are_released_after_the_grace_period(netn
     # could still be on its way), then go back free; nothing becomes visible.
     from kvdb.replication.protocol import MsgType
 
-    db = _open(tmp_path / "peer", 16)
+    db = _open(tmp_path / "peer", host_pages=16)
     srv = NodeServer(db, "127.0.0.1:0", SECRET, transport="mooncake", late_write_grace_s=0.2).start()
     try:
         p = Peer(srv.address, secret=SECRET, transport="mooncake")

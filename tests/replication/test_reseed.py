@@ -30,7 +30,7 @@ from kvdb.replication.reseed import (
 )
 from kvdb.replication.sink import LogSink
 
-from .conftest import LAYOUT, SECRET, TRANSPORTS, make_blocks, make_keys, wait_for
+from .conftest import LAYOUT, SECRET, TRANSPORTS, make_blocks, make_keys, open_db, wait_for
 
 _wait = functools.partial(wait_for, poll_s=0.002)  # fast: some tests catch a re-seed mid-copy
 
@@ -40,10 +40,6 @@ RECORD_BYTES = 53 + PAGE  # one raw PUT_BLOCK record
 
 def _reopen(path, host_bytes=64 * PAGE):
     return kvdb.open(path, host_bytes=host_bytes)
-
-
-def _open(path, **kw):
-    return kvdb.open(path, layout=LAYOUT, model_id="test-model", host_bytes=64 * PAGE, **kw)
 
 
 def _blocks_of(db, keys) -> dict:
@@ -66,16 +62,16 @@ def test_a_follower_of_another_log_is_reseeded_when_asked(netns, tmp_path, kind)
     # directory then opens as an ordinary Db with exactly B's blocks and lease.
     ka, kb = make_keys(4, tag=70), make_keys(12, tag=71)
     ba, bb = make_blocks(4, seed=70), make_blocks(12, seed=71)
-    fdb = _open(tmp_path / "f")
+    fdb = open_db(tmp_path / "f")
     srv = NodeServer(fdb, "127.0.0.1:0", SECRET, transport=kind, sink=LogSink.for_db(fdb, reopen=_reopen)).start()
     sink = srv.sink
     try:
-        with _open(tmp_path / "a") as a:
+        with open_db(tmp_path / "a") as a:
             rep = Replicator(a, replicas=[srv.address], secret=SECRET, transport=kind)
             a.put_blocks(ka, ba, durability="group")
             lsn_a = rep.sync_replicas(30)
             rep.close()
-        with _open(tmp_path / "b") as b:
+        with open_db(tmp_path / "b") as b:
             b.put_blocks(kb, bb, durability="group")
             b.delete(kb[-2:])
             b.cold_store.put_metadata("lease", b"l", b"holder")
@@ -117,7 +113,7 @@ def test_a_follower_of_another_log_is_reseeded_when_asked(netns, tmp_path, kind)
         srv.stop()
         srv.db.close()
     assert not (tmp_path / "f" / "replication" / STAGING_DIR).exists()
-    with _open(tmp_path / "f") as plain:
+    with open_db(tmp_path / "f") as plain:
         got = _blocks_of(plain, ka + kb + kc)
         assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
         assert plain.cold_store.find_metadata("lease", b"l") == b"holder"
@@ -137,7 +133,7 @@ def test_finish_swap_rolls_forward_from_every_crash_point(tmp_path, finisher):
     steps = [("wal", "aside"), ("wal", "in"), ("index", "aside"), ("index", "in"), ("applied", "in")]
     for crash_at in range(len(steps) + 1):
         path = tmp_path / f"f{crash_at}"
-        with _open(path) as db:
+        with open_db(path) as db:
             db.put_blocks(ka, make_blocks(3, seed=73), durability="group")
         st = Staging(path, _reopen, page_bytes=PAGE, snapshot_lsn=42, log_id="cafe", records_total=5)
         st.db.put_blocks(kb, make_blocks(5, seed=74), durability="none", tier="disk")
@@ -154,15 +150,15 @@ def test_finish_swap_rolls_forward_from_every_crash_point(tmp_path, finisher):
         if finisher == "finish_swap":
             assert finish_swap(path) is True
         else:
-            _open(path).close()
+            open_db(path).close()
         assert not (rep / SWAP_MARKER).exists() and not (rep / STAGING_DIR).exists()
-        with _open(path) as db:
+        with open_db(path) as db:
             assert set(_blocks_of(db, ka + kb)) == set(kb), crash_at
         got = position.decode((rep / "applied_lsn").read_bytes())
         assert (got.lsn, got.log_id) == (42, "cafe")
     # no marker: an interrupted copy is dropped, the old state stays
     path = tmp_path / "nomarker"
-    with _open(path) as db:
+    with open_db(path) as db:
         db.put_blocks(ka, make_blocks(3, seed=73), durability="group")
     st = Staging(path, _reopen, page_bytes=PAGE, snapshot_lsn=42, log_id="cafe", records_total=5)
     st.db.put_blocks(kb, make_blocks(5, seed=74), durability="none", tier="disk")
@@ -170,9 +166,9 @@ def test_finish_swap_rolls_forward_from_every_crash_point(tmp_path, finisher):
     if finisher == "finish_swap":
         assert finish_swap(path) is False
     else:
-        _open(path).close()
+        open_db(path).close()
     assert not (path / "replication" / STAGING_DIR).exists()
-    with _open(path) as db:
+    with open_db(path) as db:
         assert set(_blocks_of(db, ka + kb)) == set(ka)
 
 
@@ -182,7 +178,7 @@ def test_a_sealed_copy_that_lost_its_log_is_refused_not_half_swapped(tmp_path):
     # raises CorruptionError naming what to remove, and the old state still opens whole.
     ka, kb = make_keys(3, tag=75), make_keys(5, tag=76)
     path = tmp_path / "f"
-    with _open(path) as db:
+    with open_db(path) as db:
         db.put_blocks(ka, make_blocks(3, seed=75), durability="group")
     st = Staging(path, _reopen, page_bytes=PAGE, snapshot_lsn=42, log_id="cafe", records_total=5)
     st.db.put_blocks(kb, make_blocks(5, seed=76), durability="none", tier="disk")
@@ -191,10 +187,10 @@ def test_a_sealed_copy_that_lost_its_log_is_refused_not_half_swapped(tmp_path):
     with pytest.raises(CorruptionError, match="wal"):
         finish_swap(path)
     with pytest.raises(CorruptionError, match="wal"):
-        _open(path)  # a plain open refuses the same way
+        open_db(path)  # a plain open refuses the same way
     os.remove(path / "replication" / SWAP_MARKER)
     shutil.rmtree(path / "replication" / STAGING_DIR)
-    with _open(path) as db:
+    with open_db(path) as db:
         assert set(_blocks_of(db, ka + kb)) == set(ka)
 
 
@@ -220,7 +216,7 @@ def test_a_follower_behind_the_log_killed_mid_reseed_holds_old_or_new_and_resume
     k1, b1 = make_keys(4, tag=75), make_blocks(4, seed=75)
     k2, b2 = make_keys(160, tag=76), make_blocks(160, seed=76)
     f = nodes(tmp_path / "f", secret_file, transport="tcp")
-    db = _open(tmp_path / "leader")
+    db = open_db(tmp_path / "leader")
     db.cold_store.writer.segment_bytes = 16 * RECORD_BYTES  # test: small segments, so compaction frees some
     try:
         rep = Replicator(db, replicas=[f.address], secret=SECRET, transport="tcp")
@@ -241,7 +237,7 @@ def test_a_follower_behind_the_log_killed_mid_reseed_holds_old_or_new_and_resume
               or rep.status()["followers"][0]["reseeds"], "part of the copy applied")  # (or all of it)
         f.kill()
         finish_swap(tmp_path / "f")  # what the restarted daemon does first
-        with _open(tmp_path / "f") as plain:
+        with open_db(tmp_path / "f") as plain:
             held = set(_blocks_of(plain, k1 + k2))
         assert held in (set(k1), set(k2)), f"{len(held & set(k1))} of k1 and {len(held & set(k2))} of k2"
         f.start()
@@ -271,7 +267,7 @@ def test_a_memory_only_follower_is_not_reseeded(netns, tmp_path):
     fdb = kvdb.open(tmp_path / "f", layout=LAYOUT, model_id="test-model", host_bytes=64 * PAGE, disk_bytes=0)
     srv = NodeServer(fdb, "127.0.0.1:0", SECRET, transport="tcp", sink=LogSink.for_db(fdb, reopen=_reopen)).start()
     try:
-        with _open(tmp_path / "b") as b:
+        with open_db(tmp_path / "b") as b:
             b.put_blocks(make_keys(2, tag=78), make_blocks(2, seed=78), durability="group")
             rep = Replicator(b, replicas=[srv.address], secret=SECRET, transport="tcp")
             rep.sync_replicas(30)
