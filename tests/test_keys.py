@@ -22,7 +22,7 @@ import xxhash
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from kvdb.format.layout import BlockLayout
+from kvdb import BlockLayout
 from kvdb.errors import InvalidInput
 from kvdb.keys import (
     NS_VERSION,
@@ -112,7 +112,7 @@ def test_namespace_digest_covers_parallel_ranks():
 
 _SUBPROCESS_SCRIPT = r"""
 import json, torch
-from kvdb.format.layout import BlockLayout
+from kvdb import BlockLayout
 from kvdb.keys import KeySpace
 layout = BlockLayout(num_layers=2, num_kv_heads=2, head_dim=4, block_tokens=4, dtype=torch.float16)
 out = {}
