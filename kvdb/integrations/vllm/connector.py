@@ -101,7 +101,13 @@ def _tenant(request) -> str | None:
     salt = getattr(request, "cache_salt", None)
     if salt is None:
         return DEFAULT_TENANT
-    return salt if isinstance(salt, str) and salt else None
+    if not isinstance(salt, str) or not salt:
+        return None
+    try:
+        salt.encode("utf-8")
+    except UnicodeError:
+        return None  # a salt kvdb cannot name a tenant by: the request is neither looked up nor saved
+    return salt
 
 
 class KvdbConnector(KVConnectorBase_V1):

@@ -82,6 +82,7 @@ class Counters:
     loaded_blocks: int = 0
     load_failed_blocks: int = 0
     saved_blocks: int = 0
+    failed_saves: int = 0
     rejected_hints: int = 0
     refused_requests: int = 0
 

@@ -145,18 +145,23 @@ class Worker:
             n = len(m.hashes)
             if n == 0:
                 continue
-            keys = self.db.engine_keys(m.hashes, tenant=m.tenant)
-            buf = self._buffer(n)
-            good = self.db.get_prefix(keys, out=buf, ctx=self.service.ctx(m.req_id))
+            try:
+                keys = self.db.engine_keys(m.hashes, tenant=m.tenant)
+                buf = self._buffer(n)
+                good = self.db.get_prefix(keys, out=buf, ctx=self.service.ctx(m.req_id))
+            except KvdbError as e:  # a Db that cannot read is a miss for every block, never a crash
+                log.warning("kvdb: request %s: load failed (%s); vLLM recomputes its %d blocks", m.req_id, e, n)
+                keys, good = [], 0
             if good:
                 self.last_loads.append((keys[:good], list(m.block_ids[:good])))
                 self.paged.scatter(self.caches, torch.as_tensor(m.block_ids[:good], dtype=torch.int64), buf)
             if good < n:
                 self._load_errors.update(m.block_ids[good:])
-                self._drop(keys[good])
                 c.load_failed_blocks += n - good
-                log.warning("kvdb: request %s: %d of %d blocks could not be read back intact; vLLM recomputes them",
-                            m.req_id, n - good, n)
+                if keys:
+                    log.warning("kvdb: request %s: %d of %d blocks could not be read back intact; vLLM recomputes "
+                                "them", m.req_id, n - good, n)
+                    self._drop(keys[good])
             c.loaded_blocks += good
 
     def _drop(self, key: bytes) -> None:
@@ -174,11 +179,15 @@ class Worker:
             n = len(m.hashes)
             if n == 0:
                 continue
-            keys = self.db.engine_keys(m.hashes, tenant=m.tenant)
-            buf = self._buffer(n)
-            self.paged.gather(self.caches, torch.as_tensor(m.block_ids, dtype=torch.int64), buf)
-            self.service.counters.saved_blocks += self.db.put_blocks(
-                keys, buf[:n], positions=range(m.first_block, m.first_block + n), ctx=self.service.ctx(m.req_id))
+            try:
+                keys = self.db.engine_keys(m.hashes, tenant=m.tenant)
+                buf = self._buffer(n)
+                self.paged.gather(self.caches, torch.as_tensor(m.block_ids, dtype=torch.int64), buf)
+                self.service.counters.saved_blocks += self.db.put_blocks(
+                    keys, buf[:n], positions=range(m.first_block, m.first_block + n), ctx=self.service.ctx(m.req_id))
+            except KvdbError as e:  # a save that cannot be made is a future miss, never a failed step
+                self.service.counters.failed_saves += 1
+                log.warning("kvdb: request %s: %d blocks not saved: %s", m.req_id, n, e)
 
     def take_load_errors(self) -> set[int]:
         out, self._load_errors = self._load_errors, set()
