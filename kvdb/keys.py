@@ -26,6 +26,13 @@ Tenants
 Engine keys
     Engines that hash blocks themselves (vLLM, SGLang) pass their own hashes;
     ``engine_keys`` maps each into the tenant's namespace as H(ns || "engine" || hash).
+
+Segment keys
+    A rendered prompt's segments (kvdb/prompts: the system prompt, one tool, one message) get
+    a position-free content key: H(ns || "segment" 0x00 || tokens), tokens uint32 LE, H SHA-256
+    truncated to 16 bytes whatever the block algorithm. It names the segment's tokens, not
+    where they sit, so two prompts holding the same tool at different offsets share it; the
+    tenant's namespace salts it, so tenants never share one.
 """
 
 from __future__ import annotations
@@ -150,6 +157,11 @@ def _xxh3_chain(seed: bytes, toks: np.ndarray, block_tokens: int) -> bytes:
     return bytes(out)
 
 
+def segment_key(namespace: bytes, token_bytes: bytes) -> BlockKey:
+    """The segment key of ``token_bytes`` (uint32 LE token ids) in ``namespace`` (see above)."""
+    return BlockKey(hashlib.sha256(namespace + b"segment\x00" + token_bytes).digest()[:KEY_BYTES])
+
+
 def split_keys(buf: bytes) -> list[BlockKey]:
     return [BlockKey(buf[i : i + KEY_BYTES]) for i in range(0, len(buf), KEY_BYTES)]
 
@@ -225,6 +237,10 @@ class KeySpace:
         self, token_ids, tenant: str = DEFAULT_TENANT, public_prefix_tokens: int = 0
     ) -> list[BlockKey]:
         return split_keys(self.block_keys_bytes(token_ids, tenant, public_prefix_tokens))
+
+    def segment_key(self, token_ids, tenant: str = DEFAULT_TENANT) -> BlockKey:
+        """The position-free content key of one prompt segment's tokens (kvdb/prompts)."""
+        return segment_key(self.namespace(tenant), as_token_array(token_ids).tobytes())
 
     def engine_keys(self, hashes: Iterable[int | bytes], tenant: str = DEFAULT_TENANT) -> list[BlockKey]:
         """Map an engine's own block hashes (ints or bytes) into the tenant's namespace."""
