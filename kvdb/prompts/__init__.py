@@ -2,9 +2,10 @@
 matches (docs/prompts.md).
 
 Modules: ``render`` (parts -> token ids and segments; canonical JSON, tool order, the default
-template).
+template), ``breaks`` (per-session cache-break accounting, pure objects).
 """
 
+from kvdb.prompts.breaks import BreakBook, CallBreaks, SessionBreaks
 from kvdb.prompts.render import (
     DEFAULT_TEMPLATE,
     KINDS,
@@ -16,4 +17,5 @@ from kvdb.prompts.render import (
     render,
 )
 
-__all__ = ["DEFAULT_TEMPLATE", "KINDS", "PromptSession", "Rendered", "Segment", "Template", "canonical_text", "render"]
+__all__ = ["BreakBook", "CallBreaks", "DEFAULT_TEMPLATE", "KINDS", "PromptSession", "Rendered", "Segment",
+           "SessionBreaks", "Template", "canonical_text", "render"]

@@ -53,8 +53,10 @@ DEFAULTS: dict[str, Any] = {
 }
 
 
-def load_params(path: str | None = None, **overrides: Any) -> dict[str, Any]:
-    p = dict(DEFAULTS)
+def merge_params(defaults: dict[str, Any], path: str | None, overrides: dict[str, Any], what: str) -> dict[str, Any]:
+    """``defaults``, then the JSON object in ``path`` (keys starting with ``_`` are comments),
+    then the ``overrides`` that are not None; unknown names are refused."""
+    p = dict(defaults)
     if path is not None:
         try:
             with open(path, encoding="utf-8") as f:
@@ -62,12 +64,17 @@ def load_params(path: str | None = None, **overrides: Any) -> dict[str, Any]:
         except json.JSONDecodeError as e:
             raise InvalidInput(f"{path}: malformed JSON ({e.msg} at line {e.lineno})") from None
         if not isinstance(loaded, dict):
-            raise InvalidInput(f"{path}: generator parameters must be a JSON object")
+            raise InvalidInput(f"{path}: {what} must be a JSON object")
         p.update({k: v for k, v in loaded.items() if not k.startswith("_")})
     p.update({k: v for k, v in overrides.items() if v is not None})
-    unknown = sorted(set(p) - set(DEFAULTS))
+    unknown = sorted(set(p) - set(defaults))
     if unknown:
-        raise InvalidInput(f"unknown generator parameters {unknown}; known: {sorted(DEFAULTS)}")
+        raise InvalidInput(f"unknown {what} {unknown}; known: {sorted(defaults)}")
+    return p
+
+
+def load_params(path: str | None = None, **overrides: Any) -> dict[str, Any]:
+    p = merge_params(DEFAULTS, path, overrides, "generator parameters")
     for k in ("rounds", "fan_out", "task_blocks", "turn_blocks"):
         v = p[k]
         if not (isinstance(v, list) and len(v) == 2 and all(isinstance(x, int) for x in v) and 0 <= v[0] <= v[1]):

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from kvdb import BlockLayout
 from kvdb.errors import InvalidInput
 from kvdb.keys import KeySpace
+from kvdb.sim.prompt_gen import shuffled_keys
 from kvdb.prompts import DEFAULT_TEMPLATE, PromptSession, Template, canonical_text, render
 
 LAYOUT = BlockLayout(num_layers=1, num_kv_heads=1, head_dim=4, block_tokens=4, dtype=torch.float16)
@@ -44,17 +45,6 @@ small_values = st.recursive(json_scalars, lambda c: st.lists(c, max_size=3) | st
                             max_leaves=4)
 
 
-def shuffled(obj, rng: random.Random):
-    """The same JSON value with every object's keys in another order."""
-    if isinstance(obj, dict):
-        items = list(obj.items())
-        rng.shuffle(items)
-        return {k: shuffled(v, rng) for k, v in items}
-    if isinstance(obj, list):
-        return [shuffled(v, rng) for v in obj]
-    return obj
-
-
 tools_st = st.lists(st.tuples(st.text(min_size=1, max_size=4), st.dictionaries(st.text(max_size=4), small_values, max_size=3)),
                     max_size=5).map(lambda ts: [{"name": n, **{k: v for k, v in body.items() if k != "name"}} for n, body in ts])
 
@@ -63,9 +53,9 @@ tools_st = st.lists(st.tuples(st.text(min_size=1, max_size=4), st.dictionaries(s
 def test_any_key_order_or_tool_order_gives_the_same_tokens(tools, content, seed):
     rng = random.Random(seed)
     parts = {"system": "sys", "tools": tools, "messages": [{"role": "tool", "content": content}]}
-    other_tools = [shuffled(t, rng) for t in tools]
+    other_tools = [shuffled_keys(t, rng) for t in tools]
     rng.shuffle(other_tools)
-    other = {"system": "sys", "tools": other_tools, "messages": [{"role": "tool", "content": shuffled(content, rng)}]}
+    other = {"system": "sys", "tools": other_tools, "messages": [{"role": "tool", "content": shuffled_keys(content, rng)}]}
     a, b = render(parts, encode=enc, keys=KS), render(other, encode=enc, keys=KS)
     assert a.token_ids == b.token_ids
     assert [(s.kind, s.start, s.end, s.key) for s in a.segments] == [(s.kind, s.start, s.end, s.key) for s in b.segments]
@@ -79,7 +69,7 @@ def test_first_seen_order_is_stable_within_a_session(tools, seed):
     rng = random.Random(seed)
     session = PromptSession()
     first = render({"tools": tools}, encode=enc, tool_order="first_seen", session=session)
-    again = [shuffled(t, rng) for t in tools]
+    again = [shuffled_keys(t, rng) for t in tools]
     rng.shuffle(again)
     assert render({"tools": again}, encode=enc, tool_order="first_seen", session=session).token_ids == first.token_ids
 
