@@ -2,10 +2,14 @@
 matches (docs/prompts.md).
 
 Modules: ``render`` (parts -> token ids and segments; canonical JSON, tool order, the default
-template), ``breaks`` (per-session cache-break accounting, pure objects).
+template), ``breaks`` (per-session cache-break accounting, pure objects), ``near`` (where a
+missed prompt's segments are stored: reports, never hits), ``book`` (what a Db keeps: both of
+the above behind one lock).
 """
 
+from kvdb.prompts.book import PromptBook
 from kvdb.prompts.breaks import BreakBook, CallBreaks, SessionBreaks
+from kvdb.prompts.near import NearMatch, SegmentIndex, SegmentMatch
 from kvdb.prompts.render import (
     DEFAULT_TEMPLATE,
     KINDS,
@@ -17,5 +21,5 @@ from kvdb.prompts.render import (
     render,
 )
 
-__all__ = ["BreakBook", "CallBreaks", "DEFAULT_TEMPLATE", "KINDS", "PromptSession", "Rendered", "Segment",
-           "SessionBreaks", "Template", "canonical_text", "render"]
+__all__ = ["BreakBook", "CallBreaks", "DEFAULT_TEMPLATE", "KINDS", "NearMatch", "PromptBook", "PromptSession",
+           "Rendered", "Segment", "SegmentIndex", "SegmentMatch", "SessionBreaks", "Template", "canonical_text", "render"]
