@@ -28,6 +28,7 @@ from __future__ import annotations
 import threading
 import time
 
+from kvdb.cold.compact import carry_forward, compact
 from kvdb.format import index_value as iv
 from kvdb.format.record import RecordType, encode_checkpoint
 
@@ -87,8 +88,6 @@ class Checkpointer:
     def _collectable_segments(self, before: int) -> list[int]:
         """Sealed segments below ``before`` with no live block, not held for a log reader, whose
         records a replay no longer needs once ``carry_forward`` has appended what it does (C6)."""
-        from kvdb.cold.compact import carry_forward
-
         st = self.store
         floor = st.retention_floor()
         with st.writer.lock:
@@ -162,8 +161,6 @@ class Checkpointer:
         if sp["log_bytes"] <= amp * sp["live_bytes"] or sp["reclaimable_bytes"] < seg \
                 or sp["log_bytes"] < self._auto_floor:
             return None
-        from kvdb.cold.compact import compact
-
         st.count(auto_compactions=1)  # before the run's checkpoints, which save the counters
         out = compact(st, min_dead_fraction=self.dead_fraction(), stop=self.stopping)
         after = st.space()

@@ -57,9 +57,11 @@ import numpy as np
 from kvdb.cold import recovery
 from kvdb.cold.apply import IndexQueue
 from kvdb.cold.checkpoint import Checkpointer
+from kvdb.cold.compact import compact
 from kvdb.cold.index import Index
 from kvdb.cold.live import LiveSet
 from kvdb.cold.read import BlockReader
+from kvdb.cold.verify import VerifyReport, verify
 from kvdb.cold.write import LogAppender
 from kvdb.errors import CapacityError, DbFailedError, InvalidInput, StorageIOError
 from kvdb.format import index_value as iv
@@ -484,13 +486,10 @@ class ColdStore:
 
     def compact(self, progress=None, now_ns: int | None = None) -> dict:
         """Delete TTL-expired blocks, then garbage-collect segments (kvdb/cold/compact.py)."""
-        from kvdb.cold.compact import compact
-
         return compact(self, progress, now_ns=now_ns)
 
-    def verify(self, progress=None):
-        from kvdb.cold.verify import verify
-
+    def verify(self, progress=None) -> VerifyReport:
+        """Check every record and index entry (kvdb/cold/verify.py)."""
         return verify(self, progress)
 
 

@@ -76,7 +76,7 @@ class LogWriter:
         self.segment_bytes = segment_bytes
         self.lock = threading.RLock()
         self._fail_mu = threading.Lock()
-        self._failed: BaseException | None = None
+        self.error: BaseException | None = None  # what failed the log (sticky), None while healthy
         self.next_lsn = next_lsn
         self.closed = False
         # hooks of the durability layer (kvdb/wal/commit.py GroupCommit sets them)
@@ -130,14 +130,9 @@ class LogWriter:
 
     # -- failure
 
-    @property
-    def error(self) -> BaseException | None:
-        """The error that failed the log, None while it is healthy."""
-        return self._failed
-
     def check(self) -> None:
-        if self._failed is not None:
-            raise DbFailedError(f"the log failed earlier ({self._failed}); close the store and open it again") from None
+        if self.error is not None:
+            raise DbFailedError(f"the log failed earlier ({self.error}); close the store and open it again") from None
         if self.closed:
             raise DbFailedError("the log is closed")
 
@@ -145,8 +140,8 @@ class LogWriter:
         """Fail the log (the first error sticks), then tell the durability layer, whose waiters
         wake and see it."""
         with self._fail_mu:
-            if self._failed is None:
-                self._failed = exc
+            if self.error is None:
+                self.error = exc
         if self.on_fail is not None:
             self.on_fail(exc)
 
