@@ -21,6 +21,7 @@ COMMAND_MODULES = [
     "kvdb.cli.replicate",
     "kvdb.cli.sim",
     "kvdb.cli.vllm",
+    "kvdb.cli.prompts",
 ]
 
 

@@ -127,14 +127,33 @@ def _plot(rows, path):
 @click.option("--sessions", type=int, help="override the number of sessions")
 @click.option("--no-hints", is_flag=True, help="emit no hints")
 @click.option("--hint-noise", type=float, help="sigma of the hints' log-normal noise")
+@click.option("--prompts", is_flag=True,
+              help="write a prompt trace instead (MCP-like tools and messages: kvdb/sim/prompt_gen.py)")
+@click.option("--tool-order-churn", type=float, help="--prompts: probability per call that the tool lists arrive reordered")
+@click.option("--json-key-noise", type=float, help="--prompts: probability per call of a random key order in every JSON object")
+@click.option("--tool-list-change", type=float, help="--prompts: probability per call that a tool is added or removed")
 @click.option("-o", "--out", "out_path", type=click.Path(dir_okay=False), required=True, help="trace file to write")
 @click.option("--json", "as_json", is_flag=True, help="print a JSON summary")
-def gen_cmd(params_path, seed, sessions, no_hints, hint_noise, out_path, as_json):
-    """Generate a seeded agent-workflow trace (fan-out / fan-in DAGs, tool waits, hints)."""
-    from kvdb.sim.generator import load_params, write_trace
+def gen_cmd(params_path, seed, sessions, no_hints, hint_noise, prompts, tool_order_churn, json_key_noise,
+            tool_list_change, out_path, as_json):
+    """Generate a seeded agent-workflow trace (fan-out / fan-in DAGs, tool waits, hints), or with
+    --prompts a prompt trace with tool-order churn, JSON key-order noise and tool-list changes."""
+    noise = dict(tool_order_churn=tool_order_churn, json_key_noise=json_key_noise, tool_list_change=tool_list_change)
+    if prompts:
+        if no_hints or hint_noise is not None:
+            raise click.UsageError("--no-hints and --hint-noise are for workflow traces, not --prompts")
+        from kvdb.sim.prompt_gen import load_params, write_trace
 
-    p = load_params(params_path, seed=seed, sessions=sessions, hints=False if no_hints else None,
-                    hint_noise_sigma=hint_noise)
+        p = load_params(params_path, seed=seed, sessions=sessions, **noise)
+    else:
+        given = [k.replace("_", "-") for k, v in noise.items() if v is not None]
+        if given:
+            raise click.UsageError(f"--{', --'.join(given)} {'needs' if len(given) == 1 else 'need'} --prompts "
+                                   "(noise shapes prompt traces)")
+        from kvdb.sim.generator import load_params, write_trace
+
+        p = load_params(params_path, seed=seed, sessions=sessions, hints=False if no_hints else None,
+                        hint_noise_sigma=hint_noise)
     n = write_trace(p, out_path)
     if as_json:
         click.echo(json.dumps({"out": out_path, "lines": n, "params": p}, indent=2))

@@ -40,7 +40,7 @@ import re
 import sys
 from array import array
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
@@ -61,18 +61,26 @@ _TRAILING_WS = re.compile(r"[ \t]+(?=\n)|[ \t]+\Z")
 _ROLE = re.compile(r"[A-Za-z0-9_.:-]{1,64}\Z")
 
 
+_CANONICAL_JSON = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode
+_RAW_JSON = json.JSONEncoder(ensure_ascii=False, allow_nan=False).encode
+
+
 def _canonical_json(obj: Any) -> str:
     try:
-        return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+        return _CANONICAL_JSON(obj)
     except (TypeError, ValueError) as e:
         raise InvalidInput(f"not serialisable as canonical JSON: {e}") from None
 
 
 def _raw_json(obj: Any) -> str:
     try:
-        return json.dumps(obj, ensure_ascii=False, allow_nan=False)
+        return _RAW_JSON(obj)
     except (TypeError, ValueError) as e:
         raise InvalidInput(f"not serialisable as JSON: {e}") from None
+
+
+def _is_mapping(x: Any) -> bool:
+    return type(x) is dict or isinstance(x, Mapping)
 
 
 def canonical_text(text: str) -> str:
@@ -140,8 +148,7 @@ DEFAULT_TEMPLATE = Template()
 # ---------------------------------------------------------------------------------------- results
 
 
-@dataclass(frozen=True, slots=True)
-class Segment:
+class Segment(NamedTuple):
     """Tokens ``[start, end)`` of one piece. ``key``: the position-free content key (tenant
     salted when rendered with ``keys=``); ``canon``: the digest of its canonical content;
     ``label``: the tool's name or the message's role ("" otherwise)."""
@@ -225,10 +232,10 @@ class PromptSession:
 
 
 def _tool_name(tool: Any, i: int) -> str:
-    if not isinstance(tool, Mapping):
+    if not _is_mapping(tool):
         raise InvalidInput(f"tools[{i}] must be a JSON object (dict), got {type(tool).__name__}")
     name = tool.get("name")
-    if name is None and isinstance(tool.get("function"), Mapping):  # OpenAI style {"type": "function", "function": {...}}
+    if name is None and _is_mapping(tool.get("function")):  # OpenAI style {"type": "function", "function": {...}}
         name = tool["function"].get("name")
     if not isinstance(name, str) or not name:
         raise InvalidInput(f"tools[{i}] needs a non-empty string 'name' (or 'function': {{'name': ...}})")
@@ -301,7 +308,7 @@ def render(parts: Mapping[str, Any], *, encode: Callable[[str], Sequence[int]], 
         else:
             pieces.extend(("tool", name, _raw_json(tool), canon) for name, _, canon, tool in tl)
     for i, m in enumerate(messages):
-        if not isinstance(m, Mapping):
+        if not _is_mapping(m):
             raise InvalidInput(f"messages[{i}] must be a mapping with role and content, got {type(m).__name__}")
         if m.keys() != _MESSAGE_KEYS:
             extra = sorted(set(m) - _MESSAGE_KEYS)
