@@ -5,9 +5,9 @@
     kvdb.metrics.register(db, registry)
     start_http_server(9400, registry=registry)
 
-Every series carries a ``tier`` label (device, host, disk). Counters are monotone over the
-Db's life; gauges are resident pages and bytes. Nothing here is per tenant: metrics never tell
-one tenant about another's cache.
+Every series carries a ``tier`` label (device, host, disk), but the prompt counters (cache
+breaks, kvdb/prompts). Counters are monotone over the Db's life; gauges are resident pages and
+bytes. Nothing here is per tenant: metrics never tell one tenant about another's cache.
 """
 
 from __future__ import annotations
@@ -19,6 +19,10 @@ _GAUGES = {"pages": "resident pages", "bytes": "resident bytes", "capacity_pages
            "pinned_pages": "pages pinned now"}
 _COUNTERS = {"hits": "lookup hits", "misses": "lookup misses", "reads": "blocks read",
              "evictions": "pages evicted for room", "corruptions": "records failing their checksum"}
+
+_PROMPT_COUNTERS = {"calls": "prompts noted with a session (db.note_prompt)",
+                    "breaks": "calls that shared fewer tokens than they could have (same segments, other order)",
+                    "tokens_lost": "tokens those breaks could have shared"}
 
 
 class DbCollector:
@@ -41,6 +45,9 @@ class DbCollector:
                     c.add_metric([tier], ts[field])
             yield c
         yield GaugeMetricFamily(f"{self.prefix}_sessions", "open agent sessions", value=s.get("sessions", 0))
+        prompts = s.get("prompts") or {}
+        for field, doc in _PROMPT_COUNTERS.items():
+            yield CounterMetricFamily(f"{self.prefix}_prompt_{field}", doc, value=prompts.get(field, 0))
 
 
 def register(db, registry: CollectorRegistry | None = None, prefix: str = "kvdb") -> DbCollector:

@@ -12,7 +12,7 @@ not what is measured) with ``db.block_keys`` + ``match_prefix`` + ``put_blocks``
 ``canonical``   the noisy calls rendered canonically, tools by (name, content hash);
 ``first_seen``  canonically, tools in each session's first-seen order.
 
-Hit rate = hit blocks / full blocks over all calls. Breaks: noted per call (``PromptBook.note``, what ``db.note_prompt`` does)
+Hit rate = hit blocks / full blocks over all calls. Breaks: ``db.note_prompt`` per call
 (kvdb/prompts/breaks.py), per call. The tokenizer is a byte-level BPE trained here on a
 workload of ``tokenizer_seed`` (kvdb/bench/bpe.py), never on an evaluated seed.
 
@@ -34,7 +34,7 @@ import torch
 
 from kvdb.errors import InvalidInput
 from kvdb.format.layout import BlockLayout
-from kvdb.prompts import PromptBook, PromptSession, render
+from kvdb.prompts import PromptSession, render
 from kvdb.sim import prompt_gen
 
 LEVELS: dict[str, dict[str, float]] = {
@@ -88,7 +88,6 @@ def _replay(calls, mode: str, encode, block_tokens: int, timing: dict | None, to
     canonical = mode in ("canonical", "first_seen")
     order = "first_seen" if mode == "first_seen" else "name"
     sessions: dict[str, PromptSession] = {}
-    book = PromptBook()
     hits = blocks = tokens = 0
     perf = time.perf_counter
     inside = [0.0]
@@ -127,13 +126,13 @@ def _replay(calls, mode: str, encode, block_tokens: int, timing: dict | None, to
                 if n < len(keys):
                     db.put_blocks(keys[n:], zeros.expand(len(keys) - n, *layout.block_shape).contiguous())
                 t4 = perf()
-                book.note(db, r, sid, tenant, keys)
+                db.note_prompt(r, session_id=sid, tenant=tenant, block_keys=keys)
                 if timing is not None:
                     timing["note_prompt_s"] += perf() - t4
                 hits += n
                 blocks += len(keys)
                 tokens += len(r.token_ids)
-            breaks = book.stats()
+            breaks = db.stats()["prompts"]
         finally:
             db.close()
     return {"hit_rate": hits / blocks if blocks else 0.0, "breaks_per_call": breaks["breaks"] / max(1, breaks["calls"]),

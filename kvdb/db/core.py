@@ -66,6 +66,7 @@ from kvdb.errors import CapacityError, DbFailedError, InvalidInput, KvdbError, S
 from kvdb.format.layout import BlockLayout
 from kvdb.keys import DEFAULT_TENANT
 from kvdb.planner import Planner
+from kvdb.prompts.book import PromptBook
 from kvdb.types import DURABILITIES, BlockKey
 
 __all__ = ["DURABILITIES", "Db"]
@@ -109,6 +110,7 @@ class Db(WriteMixin, ReadMixin, MovesMixin, LandingMixin, PlansMixin, AttachedMi
         self._lock = threading.RLock()
         self._lock_fd: int | None = None
         self._init_attached()
+        self._prompts = PromptBook()  # rendered prompts: break accounting, near matches (kvdb/prompts/book.py)
         # the disk tier compacts on its own past this space amplification (kvdb/cold/store.py)
         self._max_space_amp = check_options(durability, host_bytes, device_bytes, session_idle_s, max_space_amp)
         # a session idle this long is ended by the mover (kvdb/db/plans/expiry.py S1-S3)
@@ -239,6 +241,23 @@ class Db(WriteMixin, ReadMixin, MovesMixin, LandingMixin, PlansMixin, AttachedMi
         """Keys for an engine's own block hashes (vLLM, SGLang), salted per tenant."""
         return self.keyspace.engine_keys(hashes, tenant)
 
+    # ------------------------------------------------------------------ prompts (kvdb/prompts/book.py)
+
+    def note_prompt(self, rendered, *, session_id: str | None = None, tenant: str = DEFAULT_TENANT, block_keys=None):
+        """Note a prompt rendered by ``kvdb.prompts.render`` (after its blocks are stored under
+        ``block_keys``, default its block keys): its segments become findable by ``near_match``;
+        with ``session_id`` it counts in that session's cache breaks. Returns the call's
+        ``CallBreaks`` (None without ``session_id``)."""
+        self._check()
+        return self._prompts.note(self, rendered, session_id, tenant, block_keys)
+
+    def near_match(self, rendered, *, tenant: str = DEFAULT_TENANT):
+        """For a rendered prompt: its exact prefix and, per segment past it, where that segment
+        is stored after another context (shift, blocks, context): a ``NearMatch`` report for an
+        engine that splices KV. Never a hit: lookups count nothing, nothing is returned as KV."""
+        self._check()
+        return self._prompts.near_match(self, rendered, tenant)
+
     # ------------------------------------------------------------------ the tensors it takes
 
     def _as_pages(self, blocks, n: int, what: str, allow_larger: bool = False) -> torch.Tensor:
@@ -283,4 +302,5 @@ class Db(WriteMixin, ReadMixin, MovesMixin, LandingMixin, PlansMixin, AttachedMi
             out["sessions"] = self.planner.num_sessions
             out["hints"] = dict(self.planner.outcome_counts)
             out["plans"] = self._plans_stats()
+            out["prompts"] = self._prompts.stats()
             return out

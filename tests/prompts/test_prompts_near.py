@@ -7,7 +7,7 @@ import pytest
 import torch
 from helpers import SMALL, open_db
 
-from kvdb.errors import InvalidInput
+from kvdb.errors import InvalidInput, KvdbError
 from kvdb.prompts import render
 from kvdb.prompts.book import PromptBook
 
@@ -150,3 +150,38 @@ def test_bad_input(db):
         book.near_match(db, render(A, encode=enc), "")
     with pytest.raises(InvalidInput, match="max_prompts"):
         PromptBook(max_prompts=0)
+
+
+def test_the_db_forwards_to_its_book_stats_explain_and_metrics(db):
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    import kvdb.metrics
+
+    reg = CollectorRegistry()
+    kvdb.metrics.register(db, reg)
+    db.begin_session("s1", tenant="acme")
+    first = render(A, encode=enc, keys=db, tenant="acme", canonical=False)
+    keys = db.block_keys(first.array, "acme")
+    db.put_blocks(keys, torch.zeros((len(keys), *SMALL.block_shape)))
+    assert not db.note_prompt(first, session_id="s1", tenant="acme").broke
+    churned = render({**A, "tools": TOOLS[::-1]}, encode=enc, keys=db, tenant="acme", canonical=False)
+    r = db.note_prompt(churned, session_id="s1", tenant="acme")
+    assert r.broke and r.lost > 0
+    assert db.note_prompt(churned, tenant="acme") is None  # indexed only
+    s = db.stats()["prompts"]
+    assert (s["calls"], s["breaks"], s["tokens_lost"], s["indexed_prompts"]) == (2, 1, r.lost, 3)
+    assert db.explain(session_id="s1")["prompts"]["breaks"] == 1
+    text = generate_latest(reg).decode()
+    assert "kvdb_prompt_breaks_total 1.0" in text and f"kvdb_prompt_tokens_lost_total {float(r.lost)}" in text
+    # near_match through the Db: the churned prompt's tools are stored at other places
+    m = db.near_match(churned, tenant="acme")
+    assert m.exact_blocks == db.match_prefix(db.block_keys(churned.array, "acme"), peek=True)
+    assert [s.status for s in m.segments if s.kind == "tool"] == ["near"] * 3
+    assert db.near_match(churned, tenant="globex").near_tokens == 0
+    db.end_session("s1")
+    assert db.stats()["prompts"]["sessions"] == 0 and db.stats()["prompts"]["breaks"] == 1
+    db.begin_session("s2")
+    assert db.explain(session_id="s2")["prompts"] is None
+    db.close()
+    with pytest.raises(KvdbError, match="closed"):
+        db.near_match(churned, tenant="acme")

@@ -160,6 +160,7 @@ class PlansMixin(ChainsMixin, WaitsMixin, PrefixesMixin, ExpiryMixin):
         self._last_agent.pop(session_id, None)
         self._pending_prefix.pop(session_id, None)
         self._drop_prefix_interest(session_id)
+        self._prompts.end(session_id)
 
     def run_plans(self) -> None:
         """Run every planned move due by now on the mover and wait for it. The mover runs them
@@ -222,6 +223,7 @@ class PlansMixin(ChainsMixin, WaitsMixin, PrefixesMixin, ExpiryMixin):
                              "protected_blocks": sum(1 for k in p.keys if k in self._pinned)}
         elif sid in self._pending_prefix:
             out["prefix"] = {"status": "unknown"}
+        out["prompts"] = self._prompts.session(sid)  # cache breaks (kvdb/prompts), None before a noted prompt
         return out
 
     def _plans_stats(self) -> dict:
