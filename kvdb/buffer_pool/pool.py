@@ -10,7 +10,7 @@ in memory. Per-frame state lives in flat arrays (array/bytearray) of each tier
 (kvdb/buffer_pool/tier.py), not in an object per page, so a million resident pages cost ~150
 bytes each of metadata (``kvdb bench datapath`` measures it). Only this module reads the table,
 decodes its codes and writes the per-frame arrays; the Db asks (``in``, ``tier_of``,
-``tiers_of``, ``keys_in``, ``is_dirty``, ``dirty_pages``, ``read_into``) and tells
+``tiers_of``, ``keys_in``, ``absent_rows``, ``is_dirty``, ``dirty_pages``, ``read_into``) and tells
 (``insert``, ``mark_clean``, ``pin``, ``promote``, ``offload``, ``delete``, ...).
 
 Invariants (tests cite them):
@@ -154,16 +154,26 @@ class BufferPool:
                 t.arena.read([items[i][2] for i in rows], pages, rows)
         return [k for k, _, _ in items], pages, [t.positions[f] for _, t, f in items]
 
-    def read_into(self, keys: Sequence[bytes], dst: torch.Tensor, rows: Sequence[int]) -> None:
-        """dst[rows[i]] := the page of keys[i], every key resident (one copy per tier's runs);
-        counts the reads per tier. dst uint8 [m, page_bytes] on any device."""
-        per_tier: list[tuple[list, list]] = [([], []), ([], [])]
+    def absent_rows(self, keys: Sequence[bytes]) -> list[int]:
+        """The indexes of the keys not resident."""
         table = self.table
-        for k, r in zip(keys, rows):
-            c = table[k]
-            fr, rs = per_tier[c & 1]
-            fr.append(c >> 1)
-            rs.append(r)
+        return [i for i, k in enumerate(keys) if k not in table]
+
+    def read_into(self, keys: Sequence[bytes], dst: torch.Tensor, rows: Sequence[int] | None = None) -> None:
+        """dst[rows[i]] := the page of keys[i] (rows default 0..n-1), every key resident (one
+        copy per tier's runs); counts the reads per tier. dst uint8 [m, page_bytes], any device."""
+        table = self.table
+        codes = [table[k] for k in keys]
+        rows = list(range(len(codes))) if rows is None else list(rows)
+        dev, host = self.tiers
+        if dev is None:  # one tier: every code is a host frame
+            per_tier = [([], []), ([c >> 1 for c in codes], rows)]
+        else:
+            per_tier = [([], []), ([], [])]
+            for c, r in zip(codes, rows):
+                fr, rs = per_tier[c & 1]
+                fr.append(c >> 1)
+                rs.append(r)
         for t, (fr, rs) in zip(self.tiers, per_tier):
             if fr:
                 t.arena.read(fr, dst, rs)  # type: ignore[union-attr]

@@ -6,7 +6,7 @@ from typing import Callable
 
 import torch
 
-from kvdb.buffer_pool.pool import Tier
+from kvdb.buffer_pool.pool import TIER_NAMES, Tier
 from kvdb.errors import InvalidInput
 
 
@@ -23,7 +23,7 @@ class PinnedPages:
         self._unpin = unpin  # the Db's: takes its lock, unpins the handles
         self._handles = handles
         self.pages = pages
-        self.tiers = [t.name for t, _ in handles]
+        self.tiers = [TIER_NAMES[t.index] for t, _ in handles]
         self._released = False
 
     def __len__(self) -> int:

@@ -117,11 +117,10 @@ class ReadMixin:
         dst = self._as_pages(out, n, "out", allow_larger=True)
         with self._lock:
             self._check()
-            tiers = self.pool.tiers_of(keys)
-            if prefix and self._cold is None:  # the run ends at the first key not in memory
-                n = next((i for i, t in enumerate(tiers) if t is None), n)
-                keys, tiers = keys[:n], tiers[:n]
-            absent_rows = [i for i, t in enumerate(tiers) if t is None]
+            absent_rows = self.pool.absent_rows(keys)
+            if prefix and self._cold is None and absent_rows:  # the run ends at the first key not in memory
+                n = absent_rows[0]
+                keys, absent_rows = keys[:n], []
             buf = None
             if absent_rows:
                 buf, found = self._read_disk([keys[i] for i in absent_rows])
@@ -133,9 +132,10 @@ class ReadMixin:
                     n = absent_rows[found.index(False)]
                     keep = [j for j, i in enumerate(absent_rows) if i < n]
                     absent_rows, buf = absent_rows[: len(keep)], buf[: len(keep)]
-                    keys, tiers = keys[:n], tiers[:n]
+                    keys = keys[:n]
             if absent_rows:
-                rows = [i for i, t in enumerate(tiers) if t is not None]
+                absent = set(absent_rows)
+                rows = [i for i in range(n) if i not in absent]
                 resident = [keys[i] for i in rows]
                 self.pool.read_into(resident, dst, rows)
                 rows_t = torch.as_tensor(absent_rows, dtype=torch.long, device=dst.device)
@@ -143,7 +143,7 @@ class ReadMixin:
                 self.pool.touch(resident, ctx)
                 self._promote_from_disk([keys[i] for i in absent_rows], buf)
             else:
-                self.pool.read_into(keys, dst, range(n))
+                self.pool.read_into(keys, dst)
                 self.pool.touch(keys, ctx)
         return n
 
@@ -162,10 +162,11 @@ class ReadMixin:
             self._check()
             handles: dict[int, tuple] = {}
             try:
+                absent_rows = pool.absent_rows(keys)
+                absent = set(absent_rows)
                 for i, k in enumerate(keys):  # resident pages first, so loading cannot evict them
-                    if k in pool:
+                    if i not in absent:
                         handles[i] = pool.pin(k)
-                absent_rows = [i for i in range(len(keys)) if i not in handles]
                 if absent_rows:
                     loaded, missing = self._load_from_disk([keys[i] for i in absent_rows])
                     if missing and not prefix:

@@ -82,11 +82,12 @@ class WriteMixin:
             seen: set[bytes] = set()
             fresh: list[int] = []  # not in memory
             persist: list[int] = []  # in memory, not yet on disk, and the caller asks for disk
+            absent = set(pool.absent_rows(keys))
             for i, k in enumerate(keys):
                 if k in seen:
                     continue
                 seen.add(k)
-                if k not in pool:
+                if i in absent:
                     fresh.append(i)
                 elif durability != "none" and pool.is_dirty(k):
                     persist.append(i)
@@ -105,7 +106,7 @@ class WriteMixin:
         with self._lock:
             self._check()
             pool.mark_clean([keys[i] for i in persist])  # now on disk: clean wherever the page lives
-            rows = [i for i in new if keys[i] not in pool]  # another writer may have won
+            rows = [new[j] for j in pool.absent_rows([keys[i] for i in new])]  # another writer may have won
             place(rows, self._cold is not None and not written)
         return len(new)
 
