@@ -165,7 +165,7 @@ def wal_dump_cmd(path: str, segment_no: int | None, as_json: bool) -> None:
 @json_option
 def bench_cold_cmd(dir_path, total_mib, batch_pages, threads, ops, recovery_mib, repeats, as_json) -> None:
     """Disk tier write / read vs raw write+fsync / read of the same bytes; group vs sync commits."""
-    from kvdb.cold.bench import run
+    from kvdb.bench.cold import run
 
     with _Bar("bench cold", not as_json) as bar:
         steps = [0]

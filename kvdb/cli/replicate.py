@@ -153,7 +153,7 @@ def _render_status(s: dict, console) -> None:
 def bench_replication_cmd(blocks: int, repeats: int, transport: str, chunk_mib: int, window: int,
                           as_json: bool) -> None:
     """Push and log shipping of 2 MiB blocks over loopback vs the engine's own batch write."""
-    from kvdb.replication.bench import bench_replication
+    from kvdb.bench.replication import bench_replication
 
     emit(bench_replication(num_blocks=blocks, repeats=repeats, transport=transport, chunk_bytes=chunk_mib << 20,
                            window=window), as_json)

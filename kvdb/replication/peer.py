@@ -134,7 +134,7 @@ class Peer:
 
     # ------------------------------------------------------------------ push
 
-    def _landing_region(self, nbytes: int) -> dict:
+    def landing_region(self, nbytes: int) -> dict:
         """The peer's landing region for this connection, re-asked only for more than before
         (the peer may grant less than asked: its cap; the push then uses smaller chunks)."""
         if self._region is None or self._region_asked < nbytes:
@@ -178,7 +178,7 @@ class Peer:
             region = {"transport": frames["transport"]}
         elif engine:
             num_chunks = -(-n // per_chunk)
-            region = self._landing_region(min(window, num_chunks) * per_chunk * page_bytes)
+            region = self.landing_region(min(window, num_chunks) * per_chunk * page_bytes)
             slots = int(region["bytes"]) // page_bytes
             if slots < 1:
                 raise ReplicationError(f"{self.addr} offered a landing region smaller than one block")

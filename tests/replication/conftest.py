@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from kvdb import BlockLayout
-from kvdb.replication.bench import die_with_parent
+from kvdb.bench.replication import die_with_parent
 from kvdb.replication.netns import netns_unavailable, private_netns
 from kvdb.replication.transport import mooncake_import_error
 

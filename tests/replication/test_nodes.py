@@ -145,7 +145,7 @@ def test_daemon_leader_ships_pushes_and_survives_a_kill(netns, tmp_path, secret_
 def test_bench_replication_reports_every_figure(kind):
     # A smoke run of `kvdb bench replication` (2 blocks, 1 round): every figure is present and
     # positive; no timing is asserted. The benchmark makes its own network namespace.
-    from kvdb.replication.bench import bench_replication
+    from kvdb.bench.replication import bench_replication
 
     out = bench_replication(num_blocks=2, repeats=1, transport=kind)
     figures = ["push_gbps", "push_tcp_inline_gbps", "push_sync_gbps", "ship_gbps"]

@@ -2,7 +2,8 @@
 Transfer Engine's own batch write measured in the same run, to the same peer process.
 
 Set-up: two ``kvdb replicate serve`` peer processes (one memory-only, one with a disk tier, in a
-temporary directory) and this process, all inside a private network namespace (netns.py)
+temporary directory) and this process, all inside a private network namespace
+(kvdb/replication/netns.py)
 because the engine listens on 0.0.0.0. Figures (GB/s = 1e9 bytes/s, median of ``repeats``
 rounds after two warm-up rounds; the engine and push rounds are interleaved so that load from
 other processes hits both alike):
@@ -35,10 +36,12 @@ import time
 
 import torch
 
-from kvdb.format.layout import BlockLayout
+import kvdb
 from kvdb.errors import ReplicationError
+from kvdb.format.layout import BlockLayout
 from kvdb.replication.netns import netns_unavailable, private_netns
-from kvdb.replication.peer import DEFAULT_CHUNK_BYTES, DEFAULT_WINDOW
+from kvdb.replication.peer import DEFAULT_CHUNK_BYTES, DEFAULT_WINDOW, Peer
+from kvdb.replication.replicator import Replicator
 from kvdb.replication.transport import transport_kind
 
 # Llama-3-8B-like: 32 layers x 2 x 16 tokens x 8 kv heads x 128 dims x bf16 = 2 MiB
@@ -94,8 +97,6 @@ def bench_replication(num_blocks: int = 64, repeats: int = 3, transport: str = "
 def _ship_lags(db, follower: str, kind: str, block, fresh_keys, repeats: int) -> dict:
     """Commit-to-confirm lags (ms) of single-block group puts: streams woken by the store's
     durability listener vs a fixed 50 ms poll."""
-    from kvdb.replication.replicator import Replicator
-
     rng = random.Random(7)
     lags: dict[str, list[float]] = {"ship_lag_ms": [], "ship_lag_fixed_poll_ms": []}
     for _ in range(repeats):
@@ -117,10 +118,6 @@ def _ship_lags(db, follower: str, kind: str, block, fresh_keys, repeats: int) ->
 
 
 def _run(num_blocks: int, repeats: int, kind: str, chunk_bytes: int, window: int) -> dict:
-    import kvdb
-    from kvdb.replication.peer import Peer
-    from kvdb.replication.replicator import Replicator
-
     page = BENCH_LAYOUT.page_bytes
     nbytes = num_blocks * page
     blocks = torch.randint(-(2 ** 15), 2 ** 15, (num_blocks, *BENCH_LAYOUT.block_shape), dtype=torch.int16)
@@ -159,7 +156,7 @@ def _run(num_blocks: int, repeats: int, kind: str, chunk_bytes: int, window: int
                     q.push(fresh_keys(), blocks, durability="none")
                 te, push = [], []
                 if p.uses_engine:
-                    region = p._landing_region(nbytes)
+                    region = p.landing_region(nbytes)
                     p.transport.register(rows)
                     srcs = [(r.data_ptr(), page) for r in rows]
                     dsts = [int(region["addr"]) + i * page for i in range(num_blocks)]
