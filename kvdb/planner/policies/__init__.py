@@ -5,8 +5,9 @@ The engine and the simulator build policies through ``make_policy`` and run the 
 
 Modules: ``lru`` and ``arc`` (the classic policies, also built by ``make_replacer``),
 ``ordered`` (bases over ordered dicts), ``heap`` (a base over a heap of keys), ``lfu``,
-``kvflow``, ``tokencake``, ``planned`` (``kvdb``, with its next-use estimates ``gaps`` and
-``reuse``), ``belady``. The interface and its invariants R1-R4: kvdb/buffer_pool/replacer.py.
+``kvflow``, ``tokencake``, ``planned`` (``kvdb``: its frames and plans, with ``nextuse``
+estimating each agent's next call, ``gaps`` its learned residuals and ``reuse`` the value of
+unplanned blocks), ``belady``. The interface and its invariants R1-R4: kvdb/buffer_pool/replacer.py.
 """
 
 from __future__ import annotations

@@ -3,23 +3,14 @@
 Each resident block is in one of two classes:
 
 * **planned**: something says when it is needed next (``t_next``); among planned blocks the
-  one wanted furthest in the future goes first (Belady on the estimate).
-  - Sessions with a declared workflow: after each of the session's calls, every agent's
-    *last chain* (all blocks of its latest call) is planned for the estimated start of the
-    agent's next LLM node (kvdb.planner.workflow W5: critical path over the DAG with the
-    tools' expected durations, or an EWMA of observed tool waits). A block keeps the
-    estimate of every agent whose last chain holds it and is planned for the earliest (a
-    shared prompt is needed by whoever runs first); when no interested agent has anything
-    left to run, a private block is released (H = -inf).
-  - Sessions without one: the same last chains and interests, each agent's next call
-    estimated by ``_infer``: a tool-wait hint d gives now + one LLM call + d; without a hint
-    the agent waits for siblings still on tools (fan-in: their last return + one LLM call)
-    or calls on its own rhythm, plus a residual learned from the sessions' past by
-    kvdb.planner.policies.gaps, stretched by 1 / P(it calls again) ** 2; ``ttl_s`` keeps the
-    chain until now + ttl.
-  Each agent's interest carries a deadline, t_next + 3 (t_next - now) + 2 s (slack for noisy
-  hints: σ = 1 in log space is a factor e either way); a block is planned for the earliest
-  live interest, and becomes unplanned when none is left.
+  one wanted furthest in the future goes first (Belady on the estimate). Every agent's
+  *last chain* (all blocks of its latest call) is planned for the estimated start of the
+  agent's next call (kvdb.planner.policies.nextuse: the workflow's critical path when the
+  session declared one, else tool-wait hints, fan-ins and residuals learned online). A block
+  keeps the estimate of every agent whose last chain holds it, each with its deadline, and is
+  planned for the earliest live one (a shared prompt is needed by whoever runs first); it
+  becomes unplanned when none is left, and when no interested agent has anything left to
+  run, a private block is released (H = -inf).
 * **unplanned**: GreedyDual over a learned value. Key H = L + v with
   v = min(accesses, 64) ** alpha * (1 + priority), 0 for the last block of a call (almost
   always a partial block: the next turn's longer prompt changes its hash, so it is reused ~1 %
@@ -52,7 +43,6 @@ from collections.abc import Hashable
 from typing import Any
 
 from kvdb.buffer_pool.replacer import AccessContext, Replacer
-from kvdb.errors import InvalidInput
 from kvdb.planner.events import (
     CallFinished,
     CallStarted,
@@ -60,28 +50,19 @@ from kvdb.planner.events import (
     SessionBegan,
     SessionEnded,
 )
-from kvdb.planner.policies.gaps import GapEstimator, gap_bin
+from kvdb.planner.policies.nextuse import (
+    LLM_CALL_S,
+    PLAN_SLACK_FACTOR,
+    PLAN_SLACK_S,
+    NextUseEstimator,
+    deadline,
+)
 from kvdb.planner.policies.reuse import ReuseEstimator
-from kvdb.planner.workflow import Workflow
 
 ABSENT, LISTED, PINNED = 0, 1, 2
 VALUE_CAP = 64
-PLAN_SLACK_FACTOR = 3.0
-PLAN_SLACK_S = 2.0
 TC_ALPHA = 0.05  # EWMA weight of one victim's age in Tc
-LLM_CALL_S = 2.0  # default time from a node's CallFinished to its end (W5): the simulator
-# reports calls at their arrival; an engine that reports them when they finish passes 0
-TOOL_DEFAULT_S = 10.0  # a tool's duration before any has been observed
-TOOL_ALPHA = 0.1  # EWMA weight of one observed tool wait
 REPLAN_TOLERANCE_S = 0.5
-PROGRESS_CAP = 8  # a session's waits (or an agent's calls), as a context of its estimates, saturate here
-PREFER_ALPHA = 0.1  # EWMA weight of one comparison of an agent's free and fan-in estimates
-
-
-def _contexts(kind: str, name: str | None, features: tuple[int, int]) -> tuple:
-    """GapEstimator contexts of an estimate, most specific first (kvdb.planner.policies.gaps)."""
-    gap, progress = features
-    return ((kind, name, gap, progress), (kind, name, progress), (kind, name), (kind,))
 
 
 class PlannedReplacer(Replacer):
@@ -115,27 +96,14 @@ class PlannedReplacer(Replacer):
         self._tc = math.inf
         self._now = 0.0
         self._returns: dict[str, float] = {}  # session -> predicted return (from its hints)
-        self._workflows: dict[str, Workflow] = {}
         self._current: tuple = (None, None)  # (session, agent) of the call in progress
         self._chain_open = False  # whether the current call already started its agent's chain
         self._inc = array("q", [0]) * n  # incarnation: bumped each time the frame is freed
         self._interest: list[dict | None] = [None] * n  # (session, agent) -> its next start, per frame
         self._agent_chain: dict[tuple, list[tuple[int, int]]] = {}  # agent -> (frame, inc) of its last call
         self._agent_plan: dict[tuple, float] = {}  # (session, agent) -> t_next it was planned for
-        self._tool_s = TOOL_DEFAULT_S
-        self._sess_wait: dict[str, float] = {}  # no-workflow session -> when its last tool wait ends
-        self._fan_in: dict[str, dict[tuple, tuple[int, int]]] = {}  # session -> waiting agent -> (gap bin, wait epoch)
-        self._epoch: dict[str, int] = {}  # no-workflow session -> number of its waits so far
         self._sess_agents: dict[str, dict[tuple, None]] = {}  # session -> its agents with a last chain
-        self._gaps = GapEstimator()  # residuals of next-call estimates, learned online (_infer)
-        self._pending: dict[tuple, list[tuple]] = {}  # agent -> [(contexts, base s)] of its open estimates
-        self._last_call: dict[tuple, float] = {}  # agent -> time of its last call
-        self._prefer: dict[tuple, float] = {}  # (agent, gap bin) -> > 0: fan-in estimates came closer
-        self._calls: dict[tuple, int] = {}  # agent -> its calls so far
-        self._feat: dict[tuple, tuple[int, int]] = {}  # agent -> (octave of the gap before its last call, calls before it)
-        if not llm_call_s >= 0:
-            raise InvalidInput(f"llm_call_s must be a number >= 0, got {llm_call_s!r}")
-        self._llm_s = float(llm_call_s)
+        self._next = NextUseEstimator(llm_call_s)  # when each agent calls next
 
     def predicted_return(self, session_id: str) -> float | None:
         """When the session's next call is expected (hint-based), for prefetch; None if unknown."""
@@ -188,31 +156,20 @@ class PlannedReplacer(Replacer):
         if sid is not None:
             self._session_frames.setdefault(sid, set()).add(f)
 
-    def _replan(self, sid: str, now: float, changed: tuple | None = None) -> None:
-        """Plan each agent's last chain for its next node's estimated start (W5).
+    def _replan(self, sid: str, starts: dict[str, float], now: float, changed: tuple | None = None) -> None:
+        """Plan each agent's last chain for its next node's estimated start (W5, ``starts``).
 
-        Every frame keeps the estimate of each agent whose last chain holds it; its plan is
-        the earliest of them (a shared prompt is needed by whoever runs first). ``changed``
-        names the agent whose chain was just replaced (planned whatever its estimate did).
+        Only agents whose estimate moved by more than REPLAN_TOLERANCE_S are re-planned, and
+        ``changed``, the agent whose chain was just replaced (whatever its estimate did).
         """
-        wf = self._workflows[sid]
-        for agent, t in wf.agent_next_start(now, self._llm_s, self._tool_s).items():
+        for agent, t in starts.items():
             key = (sid, agent)
-            chain = self._agent_chain.get(key)
-            if not chain:
+            if not self._agent_chain.get(key):
                 continue
             old = self._agent_plan.get(key)
             if key != changed and old is not None and (old == t or abs(old - t) <= REPLAN_TOLERANCE_S):
                 continue
-            self._agent_plan[key] = t
-            for f, inc in chain:
-                if self._inc[f] != inc or self._state[f] == ABSENT or self._leaf[f]:
-                    continue
-                d = self._interest[f]
-                if d is None:
-                    d = self._interest[f] = {}
-                d[key] = (t, t + PLAN_SLACK_FACTOR * max(0.0, t - now) + PLAN_SLACK_S)
-                self._refresh(f, now)
+            self._plan_agent(key, t, now)
 
     def _refresh(self, f: int, now: float) -> None:
         """Re-plan frame f from the agents interested in it."""
@@ -244,17 +201,6 @@ class PlannedReplacer(Replacer):
                 self._push_gd(f)
             return
         self._set_plan(f, t, deadline, replace=True)
-
-    def _observe_tools(self, wf: Workflow, node_id: str, now: float) -> None:
-        """Learn tool durations: a node whose dep is a tool started when that tool ended."""
-        for t in wf.nodes[node_id].deps:
-            tn = wf.nodes[t]
-            if tn.kind != "tool":
-                continue
-            starts = [wf.done_s[d] + self._llm_s for d in tn.deps if d in wf.done_s]
-            if starts:
-                obs = max(0.0, now - max(starts))
-                self._tool_s += TOOL_ALPHA * (obs - self._tool_s)
 
     def _plan_for(self, hints: dict[str, Any], now: float) -> tuple[float, float] | None:
         d = hints.get("expected_tool_duration_s")
@@ -290,8 +236,8 @@ class PlannedReplacer(Replacer):
             else:  # no CallStarted for it: every record_access is a call of its own
                 agent = (sid, None)
                 new_call = True
-            plan = None  # the agent's estimate (workflow W5, or _infer) replaces the per-call hint
-        wf = sid is not None and sid in self._workflows
+            plan = None  # the agent's estimate (nextuse) replaces the per-call hint
+        wf = sid is not None and self._next.has_workflow(sid)
         last = len(frames) - 1
         if agent is not None:
             # the engine may report one call in several record_access calls (lookup, then the
@@ -348,111 +294,17 @@ class PlannedReplacer(Replacer):
             if plan is not None and not leaf and not self._shared[f]:
                 self._set_plan(f, plan[0], plan[1])
             elif agent is not None and self._planned[f] and self._deadline[f] > now:
-                pass  # its interested agents re-plan it (_replan at CallFinished, or _infer below)
+                pass  # its interested agents re-plan it (at CallFinished, or from on_call below)
             else:  # an access fulfils the plan (or there was none)
                 if self._planned[f]:
                     self._planned[f] = 0
                     self._pver[f] += 1
                 self._push_gd(f)
         if agent is not None and not wf:
-            self._infer(agent, hints, now, new_call)
+            for a, t in self._next.on_call(agent, hints, now, new_call):
+                self._plan_agent(a, t, now)
         if reuse.epoch_due():
             reuse.update(self._tc)
-
-    def _infer(self, agent: tuple, hints: dict[str, Any], now: float, new_call: bool) -> None:
-        """Sessions without a workflow: estimate when ``agent`` calls next and plan its chain.
-
-        * a tool-wait hint d: after this call (one LLM call) and the tool, now + llm + d; it
-          extends the session's wait (until its last tool returns) and re-plans the agents
-          taken to wait for it;
-        * no hint while siblings wait on tools (fan-in, as a coordinator does): the end of
-          their wait + one LLM call + the learned residual of its context (GapEstimator);
-        * no hint and nobody waiting: now + the learned residual, or unplanned while its
-          context has too few observations. An agent calling without a hint also joins the
-          session's next wait: a coordinator's plan call comes before its workers' hints.
-        * ``ttl_s``: kept until now + ttl.
-        The agent's next call closes its pending prediction: the residual is learned."""
-        sid, name = agent
-        if new_call:
-            pend = self._pending.pop(agent, ())
-            for ctxs, base, _ in pend:
-                self._gaps.observe(ctxs, now - base)
-            if len(pend) == 2:  # which estimate came closer ("at once" when it had none)
-                (c, b, t_free), (_, b2, t_fan) = pend
-                t_free = b if t_free is None else t_free
-                t_fan = b2 if t_fan is None else t_fan
-                won = 1.0 if abs(now - t_fan) <= abs(now - t_free) else -1.0
-                k = c[0][1:3]
-                old = self._prefer.get(k, 0.0)
-                self._prefer[k] = old + PREFER_ALPHA * (won - old)
-            prev = self._last_call.get(agent)
-            self._last_call[agent] = now
-            # progress: the session's tool waits so far; without any, the agent's calls (negated)
-            waits = self._epoch.get(sid, 0)
-            calls = self._calls[agent] = self._calls.get(agent, 0) + 1
-            self._feat[agent] = (gap_bin(None if prev is None else now - prev),
-                                 min(waits, PROGRESS_CAP) if waits else -min(calls, PROGRESS_CAP))
-        waiting = self._fan_in.setdefault(sid, {})
-        d = hints.get("expected_tool_duration_s")
-        until = self._sess_wait.get(sid, 0.0)
-        epoch = self._epoch.get(sid, 0)
-        if d is not None:
-            waiting.pop(agent, None)
-            self._pending.pop(agent, None)
-            if until <= now:  # a new wait begins: waiters of older ones have moved on
-                epoch += 1
-                self._epoch[sid] = epoch
-                until = 0.0
-            t = now + self._llm_s + d
-            self._plan_agent(agent, t, now)
-            if t > until:
-                self._sess_wait[sid] = t
-                base = t + self._llm_s
-                for k, (ft, ep) in list(waiting.items()):
-                    if ep != epoch:
-                        del waiting[k]
-                        continue
-                    ctxs = _contexts("fan-in", k[1], ft)
-                    # one that called with nobody waiting keeps that estimate too (the last
-                    # worker back calls again with the next round's workers): the earlier wins
-                    # one that called with nobody waiting keeps that estimate too (the last
-                    # worker back calls again with the next round's workers); the one that came
-                    # closer for its (agent, gap bin) so far is used
-                    pend = [e for e in self._pending.get(k, ()) if e[0][-1][0] == "free"]
-                    self._pending[k] = [*pend, (ctxs, base, self._raw(ctxs, base))]
-                    if pend and self._prefer.get(pend[0][0][0][1:3], 0.0) < 0:
-                        continue  # its own estimate stands
-                    self._plan_agent(k, self._estimate(ctxs, base, now, True), now)
-            return
-        ttl = hints.get("ttl_s")
-        if ttl is not None:
-            self._pending.pop(agent, None)
-            self._plan_agent(agent, now + ttl / (1.0 + PLAN_SLACK_FACTOR), now)
-            return
-        ft = self._feat.get(agent, (-1, 0))
-        if until > now:
-            kind, base = "fan-in", until + self._llm_s
-            waiting[agent] = (ft, epoch)
-        else:
-            kind, base = "free", now
-            waiting[agent] = (ft, epoch + 1)
-        ctxs = _contexts(kind, name, ft)
-        self._pending[agent] = [(ctxs, base, self._raw(ctxs, base))]
-        self._plan_agent(agent, self._estimate(ctxs, base, now, kind == "fan-in"), now)
-
-    def _raw(self, ctxs: tuple, base: float) -> float | None:
-        r = self._gaps.predict(ctxs)
-        return None if r is None else base + r
-
-    def _estimate(self, ctxs: tuple, base: float, now: float, fan_in: bool) -> float | None:
-        """base + the context's learned residual, its distance from now stretched by
-        1 / P(the agent calls again): an agent that may never return ranks as a later one."""
-        g = self._gaps
-        r = g.predict(ctxs)
-        if r is None and not fan_in:
-            return None
-        t = base + (r or 0.0)
-        return now + (t - now) / g.p_next(ctxs) ** 2
 
     def _plan_agent(self, agent: tuple, t: float | None, now: float) -> None:
         """Plan (t) or release (None) the agent's interest in every block of its last chain."""
@@ -475,7 +327,7 @@ class PlannedReplacer(Replacer):
                 continue
             if d is None:
                 d = interest[f] = {}
-            d[agent] = (t, t + PLAN_SLACK_FACTOR * max(0.0, t - now) + PLAN_SLACK_S)
+            d[agent] = (t, deadline(t, now))
             self._refresh(f, now)
 
     def on_event(self, event: Any) -> None:
@@ -484,15 +336,13 @@ class PlannedReplacer(Replacer):
             self._chain_open = False
             self._now = max(self._now, event.now_s)
         elif isinstance(event, SessionBegan):
-            if event.workflow is not None:
-                self._workflows[event.session_id] = event.workflow
+            self._next.begin(event.session_id, event.workflow)
         elif isinstance(event, CallFinished):
             self._now = max(self._now, event.now_s)
             sid = event.session_id
-            if sid in self._workflows:
-                if event.node_id is not None and event.node_id in self._workflows[sid].nodes:
-                    self._observe_tools(self._workflows[sid], event.node_id, self._now)
-                self._replan(sid, self._now, changed=(sid, event.agent_id))
+            starts = self._next.call_finished(sid, event.node_id, self._now)
+            if starts is not None:
+                self._replan(sid, starts, self._now, changed=(sid, event.agent_id))
         elif isinstance(event, HintGiven):
             self._now = max(self._now, event.now_s)
             plan = self._plan_for(event.hints, self._now)
@@ -511,21 +361,14 @@ class PlannedReplacer(Replacer):
         elif isinstance(event, SessionEnded):
             self._now = max(self._now, event.now_s)
             self._returns.pop(event.session_id, None)
-            self._workflows.pop(event.session_id, None)
-            self._sess_wait.pop(event.session_id, None)
-            self._fan_in.pop(event.session_id, None)
-            self._epoch.pop(event.session_id, None)
-            for key in self._sess_agents.pop(event.session_id, ()):
+            agents = list(self._sess_agents.pop(event.session_id, ()))
+            self._next.end(event.session_id, agents)
+            for key in agents:
                 for f, i in self._agent_chain.pop(key, ()):
                     if self._inc[f] == i and self._interest[f] is not None:
                         self._interest[f].pop(key, None)
                         self._refresh(f, self._now)
                 self._agent_plan.pop(key, None)
-                for ctxs, _, _ in self._pending.pop(key, ()):
-                    self._gaps.missed(ctxs)
-                self._last_call.pop(key, None)
-                self._feat.pop(key, None)
-                self._calls.pop(key, None)
             for f in sorted(self._session_frames.pop(event.session_id, ())):
                 self._sess[f] = None
                 if self._state[f] == ABSENT or self._shared[f]:
