@@ -259,3 +259,14 @@ def write_file_atomic(path, data: bytes, mode: int = 0o644) -> None:
         os.fsync(dfd)
     finally:
         os.close(dfd)
+
+
+def drop_page_cache(path) -> None:
+    """Make ``path``'s data durable, then ask the kernel to drop its pages from the page cache,
+    so that the next read comes from the device (benchmarks of cold reads)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fdatasync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)

@@ -29,6 +29,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from kvdb.fs import drop_page_cache
+
 BLOCK_TOKENS = 128  # vLLM's CPU default
 
 
@@ -91,12 +93,7 @@ def phase(name: str, model: str, path: str, prompt_tokens: int, stored: int, rep
 def _drop_page_cache(path: Path) -> None:
     for f in (path / "wal").rglob("*"):
         if f.is_file():
-            fd = os.open(f, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
+            drop_page_cache(f)
 
 
 def _run_phase(name: str, model: Path, path: Path, prompt_tokens: int, stored: int, repeats: int) -> dict:
