@@ -208,13 +208,23 @@ class Rendered:
 
 
 class PromptSession:
-    """What one agent session remembers for ``tool_order="first_seen"``: the rank of every tool
-    (by name and content hash) in the order the session first saw it."""
+    """What one agent session remembers across its calls: the rank of every tool (by name and
+    content hash) in the order the session first saw it (``tool_order="first_seen"``), and the
+    token ids of its last ``max_cached_segments`` segment texts, so that a piece it has sent
+    before (a tool, the history) is not encoded again. A segment is encoded on its own, so its
+    text decides its tokens: the cache is exact for a deterministic ``encode`` (a tokenizer's);
+    it is emptied when ``render`` is given another ``encode`` (pass the same callable; 0 turns
+    it off)."""
 
-    __slots__ = ("_ranks",)
+    __slots__ = ("_ranks", "_cache", "_encode", "max_cached_segments")
 
-    def __init__(self) -> None:
+    def __init__(self, *, max_cached_segments: int = 512) -> None:
+        if not isinstance(max_cached_segments, int) or isinstance(max_cached_segments, bool) or max_cached_segments < 0:
+            raise InvalidInput(f"max_cached_segments must be an int >= 0, got {max_cached_segments!r}")
+        self.max_cached_segments = max_cached_segments
         self._ranks: dict[tuple[str, bytes], int] = {}
+        self._cache: dict[str, tuple[list[int], bytes]] = {}
+        self._encode: Callable | None = None
 
     def order(self, idents: Sequence[tuple[str, bytes]]) -> list[int]:
         """Indices of ``idents`` in first-seen order; unseen ones are ranked now, in (name, hash) order."""
@@ -223,6 +233,15 @@ class PromptSession:
         for i in new:
             ranks[i] = len(ranks)
         return sorted(range(len(idents)), key=lambda j: (ranks[idents[j]], j))
+
+    def encoded(self, encode: Callable) -> dict[str, tuple[list[int], bytes]] | None:
+        """The cache of segment text -> (ids, uint32 LE bytes) for ``encode`` (None when off)."""
+        if not self.max_cached_segments:
+            return None
+        if self._encode is None or self._encode != encode:
+            self._cache.clear()
+            self._encode = encode
+        return self._cache
 
     def __len__(self) -> int:
         return len(self._ranks)
@@ -337,18 +356,28 @@ def render(parts: Mapping[str, Any], *, encode: Callable[[str], Sequence[int]], 
     chunks: list[bytes] = []
     segments = []
     pos = 0
+    cache = session.encoded(encode) if session is not None else None
     for (kind, label, _, canon), text in zip(pieces, texts):
-        ids = encode(text)
-        try:
-            arr = array(_TOK, ids)
-        except (TypeError, OverflowError) as e:
-            raise InvalidInput(f"encode must return token ids in uint32 range, got {type(ids).__name__} ({e})") from None
-        if _SWAP:
-            arr.byteswap()
-        raw = arr.tobytes()
-        token_ids.extend(ids) if isinstance(ids, list) else token_ids.extend(arr)
+        hit = cache.pop(text, None) if cache is not None else None
+        if hit is None:
+            ids = encode(text)
+            try:
+                arr = array(_TOK, ids)
+            except (TypeError, OverflowError) as e:
+                raise InvalidInput(f"encode must return token ids in uint32 range, got {type(ids).__name__} ({e})") from None
+            if type(ids) is not list:
+                ids = arr.tolist()
+            if _SWAP:
+                arr.byteswap()
+            hit = (ids, arr.tobytes())
+        if cache is not None:  # most recently used last; the oldest goes past the bound
+            cache[text] = hit
+            if len(cache) > session.max_cached_segments:  # type: ignore[union-attr]
+                del cache[next(iter(cache))]
+        ids, raw = hit
+        token_ids.extend(ids)
         chunks.append(raw)
-        end = pos + len(arr)
+        end = pos + len(ids)
         key = segment_key(ns, raw) if ns is not None else _digest(b"kvdb-segment-unsalted", raw)
         segments.append(Segment(kind, pos, end, key, canon, label))
         pos = end

@@ -202,3 +202,30 @@ def test_bad_options_and_encoders():
         render(PARTS, encode=lambda s: [-1])
     with pytest.raises(InvalidInput, match="uint32"):
         render(PARTS, encode=lambda s: ["a"])
+
+
+def test_a_session_encodes_each_segment_text_once():
+    seen: list[str] = []
+
+    def counting(text: str) -> list[int]:
+        seen.append(text)
+        return enc(text)
+
+    session = PromptSession()
+    first = render(PARTS, encode=counting, session=session)
+    assert len(seen) == len(first.segments)
+    more = {**PARTS, "messages": [*PARTS["messages"], {"role": "user", "content": "and then"}]}
+    seen.clear()
+    again = render(more, encode=counting, session=session, keys=KS)
+    assert seen == ["<|user|>\nand then<|end|>\n"]  # only the new message
+    assert again.token_ids == render(more, encode=enc, keys=KS).token_ids
+    assert again.segments == render(more, encode=enc, keys=KS).segments
+    # another encoder empties the cache; 0 turns it off; the bound holds
+    other = render(PARTS, encode=lambda t: [b + 1 for b in enc(t)], session=session)
+    assert other.token_ids == [t + 1 for t in first.token_ids]
+    seen.clear()
+    render(PARTS, encode=counting, session=PromptSession(max_cached_segments=0))
+    render(PARTS, encode=counting, session=(small := PromptSession(max_cached_segments=2)))
+    assert len(seen) == 2 * len(first.segments) and len(small.encoded(counting)) == 2
+    with pytest.raises(InvalidInput, match="max_cached_segments"):
+        PromptSession(max_cached_segments=-1)
