@@ -35,9 +35,12 @@ Lookups and stats
 
 from __future__ import annotations
 
+import atexit
 import os
 import threading
 import time
+import warnings
+import weakref
 from pathlib import Path
 from typing import Callable
 
@@ -70,6 +73,17 @@ from kvdb.prompts.book import PromptBook
 from kvdb.types import DURABILITIES, BlockKey
 
 __all__ = ["DURABILITIES", "Db"]
+
+# Dbs open in this process, held weakly (the exit hook must not keep a dropped Db alive): a Db
+# still open when the interpreter exits normally is closed then, so blocks stored with
+# durability="none" are written back (a ResourceWarning names it), as a file object flushes.
+_OPEN_DBS: "weakref.WeakSet[Db]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_dbs() -> None:
+    for db in list(_OPEN_DBS):
+        db._close_unclosed("at interpreter exit")
 
 
 class Db(WriteMixin, ReadMixin, MovesMixin, LandingMixin, PlansMixin, AttachedMixin):
@@ -128,6 +142,7 @@ class Db(WriteMixin, ReadMixin, MovesMixin, LandingMixin, PlansMixin, AttachedMi
             self._drop_lock()
             raise
         self._state = "open"
+        _OPEN_DBS.add(self)
 
     # ------------------------------------------------------------------ open / close
 
@@ -196,6 +211,7 @@ class Db(WriteMixin, ReadMixin, MovesMixin, LandingMixin, PlansMixin, AttachedMi
                         self._cold.close()
                 finally:
                     self._state = "closed"
+                    _OPEN_DBS.discard(self)
                     self._drop_lock()
 
     def __enter__(self) -> "Db":
@@ -204,8 +220,28 @@ class Db(WriteMixin, ReadMixin, MovesMixin, LandingMixin, PlansMixin, AttachedMi
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def __del__(self) -> None:  # a forgotten Db must not keep the directory locked
-        if getattr(self, "_state", "closed") != "closed" and getattr(self, "_lock_fd", None) is not None:
+    def __del__(self) -> None:
+        # a forgotten Db is closed when collected (its writes go back, its locks -- the file lock
+        # and the index's -- are dropped); on one of kvdb's own daemon threads (which may be
+        # inside the disk tier) the close runs on a fresh thread instead
+        if getattr(self, "_state", "closed") not in ("open", "failed"):
+            return
+        if threading.current_thread().daemon:
+            threading.Thread(target=self._close_unclosed, args=("after it was dropped",),
+                             name="kvdb-close", daemon=True).start()
+        else:
+            self._close_unclosed("after it was dropped")
+
+    def _close_unclosed(self, when: str) -> None:
+        """``close()`` for a Db its owner never closed, with a ResourceWarning naming it."""
+        if self._state not in ("open", "failed"):
+            return
+        warnings.warn(f"kvdb: {self.path} was never closed; closing it {when} (call close() or use "
+                      "'with kvdb.open(...)')", ResourceWarning, stacklevel=2)
+        try:
+            self.close()
+        except Exception as e:  # noqa: BLE001 - nobody to raise to: say so, and drop the lock
+            warnings.warn(f"kvdb: closing {self.path} {when} failed: {e!r}", ResourceWarning, stacklevel=2)
             try:
                 self._drop_lock()
             except OSError:
