@@ -1,4 +1,4 @@
-"""The exception tree of kvdb (STYLE.md "Errors").
+"""The exception tree of kvdb (docs/style.md "Errors").
 
 Every error kvdb raises on purpose is a ``KvdbError``. Outcomes that are part of normal
 operation -- a cache miss, no free frame, a rejected hint -- are return values, never

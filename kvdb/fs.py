@@ -3,7 +3,7 @@ writes to a log segment goes through an ``OsFs``, and the small state files (the
 secret, replication's slots and positions) through ``write_file_atomic``.
 
 ``OsFs`` is the real one (os.* calls, fdatasync). ``FaultFs`` wraps it for crash and fault
-tests (STYLE.md "Tests", in the manner of LevelDB's fault-injection Env and SQLite's crash VFS):
+tests (docs/style.md "Tests", in the manner of LevelDB's fault-injection Env and SQLite's crash VFS):
 
 * it counts the I/O points of a run (create, write, sync, truncate, unlink);
 * ``crash_at=N`` makes point N the moment the machine dies: a write there is torn (half of it

@@ -1,4 +1,4 @@
-"""Block identity: namespaces and prefix hash chains (DESIGN.md "Block identity").
+"""Block identity: namespaces and prefix hash chains.
 
 Namespace digest
     A namespace covers everything that makes two KV blocks incompatible: model id and revision,

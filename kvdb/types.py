@@ -1,4 +1,4 @@
-"""Id types shared by every layer. Units live in field names (STYLE.md "Names")."""
+"""Id types shared by every layer. Units live in field names (docs/style.md "Names")."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Hypothesis state machine: the Db against a dict model, with tiny capacities (STYLE.md "Tests").
+"""Hypothesis state machine: the Db against a dict model, with tiny capacities (docs/style.md "Tests").
 
 DbMachine -- memory-only Db (disk tier off): evicted blocks are gone, so the model tracks what
 *may* be stored; the checks are that nothing is ever wrong rather than that nothing is ever lost:

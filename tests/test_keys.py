@@ -1,4 +1,4 @@
-"""kvdb.keys: block identity (DESIGN.md "Block identity").
+"""kvdb.keys: block identity (the rules: kvdb/keys.py's header).
 
 The namespace encoding and the chain are re-derived here from the module docstring with
 struct and hashlib only, so a change to the key format fails a test instead of silently

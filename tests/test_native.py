@@ -1,4 +1,4 @@
-"""kvdb.native: every native function agrees with its pure-Python twin (STYLE.md "Layout"),
+"""kvdb.native: every native function agrees with its pure-Python twin (docs/style.md "Layout"),
 plus known-answer vectors that pin the meaning of the twins themselves."""
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def test_crc32c_accepts_typed_buffers():
 
 
 def _reference_chain(seed: bytes, tokens: list[int], block_tokens: int) -> bytes:
-    """An independent spelling of DESIGN.md's chain: struct-packed tokens, hashlib.sha256."""
+    """An independent spelling of the chain in kvdb/keys.py's header: struct-packed tokens, hashlib.sha256."""
     out, prev = b"", seed
     for i in range(len(tokens) // block_tokens):
         blk = tokens[i * block_tokens : (i + 1) * block_tokens]

@@ -7,11 +7,15 @@ memory: everything above it names frames.
 
 Copies are batched by *runs*: a batch of frames is split into maximal runs of consecutive
 frames. One run is one torch ``copy_`` of contiguous bytes (memcpy speed, multi-threaded;
-``index_copy_`` on a uint8 arena runs ~5x slower, see DESIGN.md). The pool allocates fresh
+``index_copy_`` on a uint8 arena ran at 0.07-0.15x of it: docs/buffer_pool.md "Pages and
+arenas"). The pool allocates fresh
 frames in ascending order, so a batch of new pages is usually a single run. A scattered batch
 between two CPU tensors is one call into the native page copier (kvdb.native.copy_pages): a
 torch ``copy_`` per page costs ~10 us of dispatch, which dominates small pages (measured on
-4 KiB pages: 13 us/page with a copy_ per page, 0.5 us/page native).
+4 KiB pages: 13 us/page with a copy_ per page, 0.5 us/page native). A single CPU run of at
+most NATIVE_COPY_BYTES goes native too: torch's copy_ of a 64 KiB page splits it over its
+OpenMP threads, and on a loaded machine waiting for a descheduled helper thread cost 1-15 ms
+per copy (one-block reads of 64 KiB pages under load 3-4 on 2 cores; ~10 us unloaded).
 """
 
 from __future__ import annotations
@@ -23,6 +27,10 @@ import torch
 
 from kvdb import native
 from kvdb.errors import CapacityError
+
+
+#: a CPU-to-CPU copy of at most this many bytes in one run is one native memcpy, not a torch copy_
+NATIVE_COPY_BYTES = 1 << 20
 
 
 def frame_runs(frames: Sequence[int], rows: Sequence[int] | None = None) -> list[tuple[int, int, int]]:
@@ -74,8 +82,9 @@ class Arena:
         """dst[dst_idx[i]] := src[src_idx[i]] for whole pages; one of the index lists is a frame
         list, the other rows of a batch (None = 0..n-1)."""
         runs = frame_runs(src_idx if src_idx is not None else range(len(dst_idx)), dst_idx)
-        if len(runs) > 1 and dst.device.type == "cpu" and src.device.type == "cpu":
-            native.copy_pages(dst.numpy(), dst_idx, src.numpy(), src_idx, self.page_bytes)
+        if dst.device.type == "cpu" and src.device.type == "cpu" \
+                and (len(runs) > 1 or sum(r[2] for r in runs) * self.page_bytes <= NATIVE_COPY_BYTES):
+            native.copy_pages(dst.detach().numpy(), dst_idx, src.detach().numpy(), src_idx, self.page_bytes)
             return
         non_blocking = dst.device.type != src.device.type
         for d, s_, n in runs:

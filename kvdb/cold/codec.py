@@ -6,8 +6,11 @@ Codecs (kvdb.format.record.Codec, stable values)
     ZSTD_PLANES  the page split into byte planes first -- byte j of every element goes to plane j
                  (for bf16: plane 0 = low bytes, mostly noise; plane 1 = sign+exponent+top
                  mantissa, very compressible) -- then zstd level 1 over the concatenated planes.
-                 DESIGN.md measured 1.44x on bf16 KV against 1.29x for plain zstd. A page that
-                 does not shrink is stored RAW instead (the codec byte says which).
+                 Why planes: neighbouring values' high bytes are alike and compress well,
+                 the low bytes are nearly noise, and interleaved the two dilute each other.
+                 How much a page shrinks depends on the model's KV; this repo measures no
+                 ratio (its test models have random weights). A page that does not shrink is
+                 stored RAW instead (the codec byte says which).
 
 Sealing (``Sealer``), when the store has an encryption key
     payload = nonce 12 | AES-256-GCM(key, nonce, encoded bytes, aad) | tag 16

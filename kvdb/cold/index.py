@@ -4,9 +4,10 @@ Layout of keys and values: kvdb/format/index_value.py. The index is rebuilt from
 recovery, so RocksDB's own WAL is off (``disable_wal``): a crash may lose the newest index
 writes, never the log records they came from.
 
-Every open uses the very same ``Options(raw_mode=True)`` (DESIGN.md: opening a raw DB once with
-other options rewrites its config and can make it unopenable). No column families (their handles
-keep the DB lock after close). Values are small (48-byte entries): no blob files.
+Every open uses the very same ``Options(raw_mode=True)``, built in one place (``_options``):
+rocksdict records the options of an open in ``rocksdict-config.json`` beside the DB and reads
+them back, and only this one set is tested here. No column families (their handles keep the DB
+lock after close). Values are small (48-byte entries): no blob files.
 
 Errors map to kvdb's: a held lock -> DbLockedError, "Corruption" -> CorruptionError, any other
 failure -> StorageIOError. A damaged index is never rebuilt silently; a missing (or empty)

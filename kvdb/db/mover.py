@@ -4,7 +4,7 @@ Two kinds of work, both run on the one thread (so moves never race each other):
 
 * **jobs** (``submit``): prefetch / offload / make-room requests; run in submission order.
 * **timers** (``schedule``): jobs with a due time on the Db's clock -- the planner's prefetch
-  deadlines and the sessions' idle-expiry checks (kvdb/db/sessions.py). A cancelled timer
+  deadlines and the sessions' idle-expiry checks (kvdb/db/plans/expiry.py). A cancelled timer
   never runs. Each timer has a ``kind`` (``"plan"``, ``"expiry"``) so that the stats can
   count them apart (``count_timers``).
 

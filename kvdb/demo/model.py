@@ -2,7 +2,7 @@
 
 Sizes: 4 layers, hidden 256, 4 heads, 2 kv heads (GQA), head dim 64, fp32 -- the same shape
 the integration tests use. ``initializer_range=0.1`` so attention is not near-uniform (a wrong
-restore would then barely move the logits; DESIGN.md "transformers 5.x").
+restore would then barely move the logits; docs/integration.md "Correctness checks").
 """
 
 from __future__ import annotations

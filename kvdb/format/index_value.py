@@ -1,6 +1,6 @@
 """Keys and values of the cold tier's RocksDB index (PATH/index/). Encoded and decoded only here.
 
-The index is a cache of the log (DESIGN.md "Durability"): the log is the source of truth, the
+The index is a cache of the log (docs/durability.md): the log is the source of truth, the
 index holds where each live block's record is, plus a little store-wide metadata. RocksDB runs
 in raw mode (bytes keys and values) with its own WAL off. All integers little-endian.
 

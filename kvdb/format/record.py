@@ -1,4 +1,4 @@
-"""Log segment and log record layouts (DESIGN.md "Durability"). Encoded and decoded only here.
+"""Log segment and log record layouts (docs/durability.md). Encoded and decoded only here.
 
 All integers are little-endian. A log is a directory of segment files ``00000001.log``,
 ``00000002.log``, ... (segment numbers increase by one; compaction may delete old ones).

@@ -1,7 +1,7 @@
 """Hints: advisory facts a caller gives the planner about a session.
 
 Each hint is validated on its own and gets an outcome, never an exception for a merely
-implausible value (STYLE.md: a rejected hint is an outcome):
+implausible value (docs/style.md "Errors": a rejected hint is an outcome):
 
     accepted   used as given
     clipped    outside its sane range; used at the nearest bound (the outcome says which)

@@ -1,4 +1,4 @@
-"""Sequential replay: hit ratios of a policy on a trace (DESIGN.md "Trace format").
+"""Sequential replay: hit ratios of a policy on a trace (the format: kvdb/sim/trace.py).
 
 Semantics, shared by every policy and by the Belady bound:
   S1  a call's hits are its longest run of leading cached blocks;

@@ -1,18 +1,61 @@
-"""Readers for the kvdb agent trace v1 (JSONL; DESIGN.md "Trace format").
+"""The kvdb agent trace v1: its format, and the readers.
 
-A Mooncake FAST'25 line is one LLM call::
+Format
+    JSON Lines, one object per line, in time order (replays take lines in file order; blank
+    lines are skipped). A Mooncake FAST'25 line is a valid call line::
 
-    {"timestamp": 1200, "input_length": 6758, "output_length": 500, "hash_ids": [0, 1, 2]}
+        {"timestamp": 1200, "input_length": 6758, "output_length": 500, "hash_ids": [0, 1, 2]}
 
-``timestamp`` is in milliseconds (Mooncake's unit); readers convert it to ``now_s``.
-``hash_ids[j]`` names the whole prefix up to block j. kvdb lines may add ``type`` ("call",
-"workflow", "session_end"), and on calls ``session_id``, ``agent_id``, ``node_id``,
-``tenant``, ``block_tokens`` and ``hints``. Workflow lines carry ``session_id`` and ``nodes``.
+    Every line
+        ``timestamp``   milliseconds (Mooncake's unit), a finite number >= 0, default 0;
+                        readers convert it to ``now_s``
+        ``type``        "call" (default), "workflow" or "session_end"
 
-Every malformed line raises InvalidInput naming ``source:line``; nothing is skipped silently.
-That includes hints the planner would reject (negative, NaN or non-numeric durations, unknown
-names): in a trace file they are damaged data. Through the engine API (Planner.hint) the same
-values are outcomes, not errors. Hints that would only be clipped are kept as written.
+    Call lines (one LLM call)
+        ``hash_ids``      required: a list of distinct integers or strings; ``hash_ids[j]``
+                          names the whole prefix up to block j, so equal ids mean shared blocks
+        ``block_tokens``  tokens per block, an integer > 0, default 512
+        ``input_length``  prompt tokens, default ``len(hash_ids) * block_tokens``
+        ``output_length`` generated tokens, default 0
+        ``session_id``, ``agent_id``, ``node_id``, ``tenant``   optional strings (integers are
+                          read as strings). A session is opened by its first call when no
+                          workflow line declared it; ``node_id`` names a node of the session's
+                          workflow; with ``tenant`` a block's identity is (tenant, hash id)
+        ``hints``         an object of hints (kvdb/planner/hints.py): ``expected_tool_duration_s``
+                          (the session waits about this long after this call before its next),
+                          ``ttl_s``, ``priority``, ``prefix_hash``, ``tool``
+
+    Workflow lines (at a session's start: its planned DAG)
+        ``session_id``  required
+        ``nodes``       required: ``[{"id", "agent_id", "deps": [ids], "kind": "llm" | "tool",
+                        "expected_duration_s"}]`` (kind defaults to "llm"; tools may carry an
+                        expected duration), checked by kvdb/planner/workflow.py (W1, W2)
+        ``tenant``      optional
+
+    Session-end lines
+        ``session_id``  required
+
+    Example (a coordinator plans, one worker runs a tool, the coordinator aggregates)::
+
+        {"timestamp": 0, "type": "workflow", "session_id": "s1", "nodes": [
+            {"id": "plan", "agent_id": "coord"}, {"id": "w", "agent_id": "w1", "deps": ["plan"]},
+            {"id": "t", "kind": "tool", "deps": ["w"], "expected_duration_s": 30},
+            {"id": "agg", "agent_id": "coord", "deps": ["t"]}]}
+        {"timestamp": 0, "session_id": "s1", "agent_id": "coord", "node_id": "plan", "hash_ids": [0, 1]}
+        {"timestamp": 2000, "session_id": "s1", "agent_id": "w1", "node_id": "w", "hash_ids": [0, 2],
+         "hints": {"expected_tool_duration_s": 30}}
+        {"timestamp": 34000, "session_id": "s1", "agent_id": "coord", "node_id": "agg", "hash_ids": [0, 1, 3]}
+        {"timestamp": 36000, "type": "session_end", "session_id": "s1"}
+
+    (each line on one line in a file). How a replay uses the lines: kvdb/sim/replay.py (S1-S4).
+    ``kvdb gen`` writes traces in this format (kvdb/sim/generator.py).
+
+Readers
+    Every malformed line raises InvalidInput naming ``source:line``; nothing is skipped
+    silently. That includes hints the planner would reject (negative, NaN or non-numeric
+    durations, unknown names): in a trace file they are damaged data. Through the engine API
+    (Planner.hint) the same values are outcomes, not errors. Hints that would only be clipped
+    are kept as written.
 """
 
 from __future__ import annotations

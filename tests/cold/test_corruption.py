@@ -1,4 +1,4 @@
-"""Corruption tests, one per kind of damage (STYLE.md "Tests"; LevelDB's log_test in spirit):
+"""Corruption tests, one per kind of damage (docs/style.md "Tests"; LevelDB's log_test in spirit):
 ``kvdb verify`` is the oracle (exit 3, the problem named), and reads never return wrong bytes --
 a damaged block is a miss and a counted corruption.
 

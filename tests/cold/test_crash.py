@@ -1,4 +1,4 @@
-"""Crash tests with the fault-injecting file layer (STYLE.md "Tests", acceptance of issue 3).
+"""Crash tests with the fault-injecting file layer (docs/style.md "Tests", acceptance of issue 3).
 
 Scenario: a fixed workload of puts (none / group / sync), deletes, checkpoints and a
 compaction runs once to count its I/O points; then for every point it runs again in a fresh

@@ -1,4 +1,4 @@
-"""ENOSPC and EIO from the file layer (STYLE.md "Errors"): the failing call raises
+"""ENOSPC and EIO from the file layer (docs/style.md "Errors"): the failing call raises
 StorageIOError, the store is then failed (every call raises DbFailedError until it is closed
 and reopened), and nothing acknowledged before the error is lost."""
 

@@ -2,7 +2,7 @@
 
 4 layers, hidden 256, 4 heads, 2 kv heads (GQA), head dim 64, fp32. ``initializer_range=0.1``
 because the default 0.02 gives near-uniform attention, under which a wrong restore barely moves
-the logits (DESIGN.md "transformers 5.x").
+the logits (docs/integration.md "Correctness checks").
 """
 
 from __future__ import annotations

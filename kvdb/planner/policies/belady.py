@@ -3,8 +3,9 @@
 Built over the whole sequence of calls (block ids in chain order); the k-th
 ``record_access`` is taken to be the k-th call. Every frame of the call gets the key
 (-next use, -depth): the min-heap then evicts the block used furthest in the future,
-never-again blocks first, ties to the deeper block (DESIGN.md "Trace format"). Because the
-simulator offers a call's blocks before evicting, an offered block may go at once.
+never-again blocks first, ties to the deeper block (R3, kvdb/buffer_pool/replacer.py).
+Because the simulator offers a call's blocks before evicting (S2, S3 in kvdb/sim/replay.py),
+an offered block may go at once.
 """
 
 from __future__ import annotations
