@@ -30,6 +30,31 @@ def _parse_layout(text: str | None):
         raise InvalidInput(f"--layout is not JSON: {e}") from None
 
 
+def _check_listen(listen: str) -> None:
+    """Bind --listen once, before the data directory is touched: an address this host does not
+    have is a usage error (exit 2); one in use or not allowed, a runtime error (exit 1)."""
+    import errno
+    import socket
+
+    from kvdb.errors import InvalidInput, KvdbError
+    from kvdb.replication.channel import parse_addr
+
+    try:
+        host, port = parse_addr(listen)
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (InvalidInput, socket.gaierror) as e:
+        raise click.BadParameter(f"{listen!r}: {getattr(e, 'strerror', None) or e}", param_hint="--listen") from None
+    family, kind, proto, _, addr = infos[0]
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(addr)
+        except OSError as e:
+            if e.errno == errno.EADDRNOTAVAIL:
+                raise click.BadParameter(f"{host} is not an address of this host", param_hint="--listen") from None
+            raise KvdbError(f"cannot listen on {listen}: {e.strerror or e}") from None
+
+
 @replicate.command("serve")
 @click.option("--db", "db_path", required=True, type=click.Path(file_okay=False), help="data directory this node owns")
 @click.option("--listen", required=True, help="HOST:PORT for peers (port 0 picks a free one)")
@@ -65,6 +90,7 @@ def serve_cmd(db_path, listen, secret_file, transport, node, host_bytes, disk_by
     def reopen(path=db_path, host_bytes=host_bytes):  # the Db, or a re-seed's staging copy of it
         return kvdb.open(path, host_bytes=host_bytes, **kw)
 
+    _check_listen(listen)  # before anything touches the data directory
     finish_swap(db_path)  # a re-seed interrupted by a crash: roll it forward or drop it
     db = kvdb.open(db_path, layout=_parse_layout(layout_json), model_id=model_id, host_bytes=host_bytes, **kw)
     done = threading.Event()

@@ -36,8 +36,9 @@ def _progress(total: int, enabled: bool):
 @click.argument("trace", type=click.Path(dir_okay=False))
 @click.option("--policy", "policies", multiple=True, required=True,
               help="lru, lfu, arc, kvflow, tokencake, kvdb, belady (repeatable)")
-@click.option("--capacity", "capacities", type=int, multiple=True, help="device capacity in blocks (repeatable)")
-@click.option("--capacity-fraction", "fractions", type=float, multiple=True,
+@click.option("--capacity", "capacities", type=click.IntRange(min=1), multiple=True,
+              help="device capacity in blocks (repeatable)")
+@click.option("--capacity-fraction", "fractions", type=click.FloatRange(0, 1, min_open=True), multiple=True,
               help="capacity as a share of the trace's distinct blocks (repeatable)")
 @click.option("--timed", is_flag=True, help="timed replay (TTFT, job completion time) instead of hit ratios")
 @click.option("--host-factor", type=float, default=4.0, show_default=True,
@@ -61,7 +62,13 @@ def sim_cmd(trace, policies, capacities, fractions, timed, host_factor, disk_fac
         raise click.UsageError("give --capacity N or --capacity-fraction F")
     if timed and (plot or per_request_out):
         raise click.UsageError("--plot and --per-request-out are for hit ratios; --timed reports TTFT and JCT")
-    t = read_trace(trace)
+    try:
+        t = read_trace(trace)
+    except UnicodeDecodeError as e:
+        raise InvalidInput(f"trace {trace!r} is not a text file (byte {e.start} is not UTF-8); "
+                           "expected Mooncake or kvdb JSONL") from None
+    if not t.calls:
+        raise InvalidInput(f"trace {trace!r} holds no calls (an empty trace); nothing to replay")
     caps = list(capacities) + [capacity_for(t, f) for f in fractions]
     rows = []
     show = sys.stderr.isatty() and not as_json
@@ -122,7 +129,7 @@ def _plot(rows, path):
 
 
 @click.command("gen")
-@click.option("--params", "params_path", type=click.Path(dir_okay=False), help="JSON parameters (tools/workflows/agents.json)")
+@click.option("--params", "params_path", type=click.Path(exists=True, dir_okay=False), help="JSON parameters (tools/workflows/agents.json)")
 @click.option("--seed", type=int, help="override the seed")
 @click.option("--sessions", type=int, help="override the number of sessions")
 @click.option("--no-hints", is_flag=True, help="emit no hints")
@@ -154,7 +161,10 @@ def gen_cmd(params_path, seed, sessions, no_hints, hint_noise, prompts, tool_ord
 
         p = load_params(params_path, seed=seed, sessions=sessions, hints=False if no_hints else None,
                         hint_noise_sigma=hint_noise)
-    n = write_trace(p, out_path)
+    try:
+        n = write_trace(p, out_path)
+    except OSError as e:
+        raise InvalidInput(f"cannot write the trace to {out_path!r}: {e.strerror or e}") from None
     if as_json:
         click.echo(json.dumps({"out": out_path, "lines": n, "params": p}, indent=2))
     else:
