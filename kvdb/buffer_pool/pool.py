@@ -271,10 +271,12 @@ class BufferPool:
         dirty: bool,
         ctx: AccessContext | None = None,
         start_tier: int | None = None,
+        rows: Sequence[int] | None = None,
     ) -> None:
         """Place new pages (keys not resident) fastest tier first; overflow goes down, then spills.
 
-        pages: uint8 [n, page_bytes] on any device.
+        pages: uint8 [m, page_bytes] on any device; key i's page is ``pages[rows[i]]`` (rows
+        default 0..n-1), copied straight from there (a read promotes from the caller's ``out``).
         """
         tier_idx = self.top_tier().index if start_tier is None else start_tier
         done = 0
@@ -287,7 +289,10 @@ class BufferPool:
             frames = self._reserve(tier, n - done)
             if frames:
                 k = len(frames)
-                tier.arena.write(frames, pages[done : done + k])
+                if rows is None:
+                    tier.arena.write(frames, pages[done : done + k])
+                else:
+                    tier.arena.write(frames, pages, rows[done : done + k])
                 for j, f in enumerate(frames):
                     key = keys[done + j]
                     tier.keys[f] = key
@@ -299,7 +304,8 @@ class BufferPool:
                 done += k
             tier_idx += 1
         if done < n:  # every frame is pinned: the rest bypasses memory (an outcome, not an error)
-            self._spill(keys[done:], pages[done:].cpu(), list(positions[done:]), [dirty] * (n - done))
+            rest = pages[done:] if rows is None else pages[list(rows[done:])]
+            self._spill(keys[done:], rest.cpu(), list(positions[done:]), [dirty] * (n - done))
 
     def promote(self, keys: list[bytes], ctx: AccessContext | None = None) -> int:
         """Move host-resident keys into the device tier (prefetch). Returns pages moved."""

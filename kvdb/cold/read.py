@@ -131,22 +131,26 @@ class BlockReader:
 
     # -- reads
 
-    def read_into(self, keys: list[bytes], entries: list, out: np.ndarray) -> list:
-        """Read ``entries`` (looked up for ``keys``) into ``out``'s rows. Per key: True (hit),
+    def read_into(self, keys: list[bytes], entries: list, out: np.ndarray, rows=None) -> list:
+        """Read ``entries`` (looked up for ``keys``) into ``out``'s rows: key i lands in
+        ``out[rows[i]]`` (rows default 0..n-1), read there directly. Per key: True (hit),
         False (damaged, C3), "absent" (no entry) or None (its segment is gone: look it up
         again and ``read_entry``)."""
+        rows = range(len(keys)) if rows is None else rows
         results: list = [None] * len(keys)
-        self.read_runs(keys, entries, out, results)
+        self.read_runs(keys, entries, out, results, rows)
         for i, (key, e) in enumerate(zip(keys, entries)):
             if e is None:
                 results[i] = "absent"
             elif results[i] is None:
-                results[i] = self.read_entry(key, e, out[i])
+                results[i] = self.read_entry(key, e, out[rows[i]])
         return results
 
-    def read_runs(self, keys, entries, out: np.ndarray, results: list) -> None:
+    def read_runs(self, keys, entries, out: np.ndarray, results: list, rows=None) -> None:
         """Raw, unsealed pages whose records lie back to back in a segment are read with one
-        preadv per run, straight into their rows (the same I/O a plain sequential read does)."""
+        preadv per run, straight into their rows ``out[rows[i]]`` (the same I/O a plain
+        sequential read does; the rows need not be adjacent in ``out``)."""
+        rows = range(len(keys)) if rows is None else rows
         want = PUT_PAYLOAD_OFFSET + self.page_bytes
         cand = sorted((e.segment_no, e.offset, i) for i, e in enumerate(entries)
                       if e is not None and e.codec == Codec.RAW and not (e.flags & FLAG_SEALED)
@@ -176,7 +180,7 @@ class BlockReader:
                     bufs = []
                     for h, i in zip(heads, part):
                         bufs.append(h)
-                        bufs.append(out[i])
+                        bufs.append(out[rows[i]])
                     slices.append((part, heads, bufs, off + a * want))
                 # a reader thread runs ahead through the slices (preadv releases the GIL) while
                 # this thread checks the ones already read (crc32c releases it too)
@@ -188,7 +192,7 @@ class BlockReader:
                         if n < (k + 1) * want:
                             results[i] = False
                         else:
-                            results[i] = check_raw(keys[i], entries[i], h, out[i])
+                            results[i] = check_raw(keys[i], entries[i], h, out[rows[i]])
             finally:
                 self._unpin_fd(seg, fd)
 

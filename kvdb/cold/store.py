@@ -410,28 +410,35 @@ class ColdStore:
         """Index entries of ``keys`` (queued ones first), None for a key not live."""
         return self.queue.lookup(keys, self.live.has)
 
-    def get_into(self, keys, out: np.ndarray) -> list[bool]:
-        """Read pages into ``out`` rows (uint8 [>= n, page_bytes]). False = miss: absent, or
-        damaged (C3: counted in ``corruptions``, the row zeroed, never wrong bytes)."""
+    def get_into(self, keys, out: np.ndarray, rows=None) -> list[bool]:
+        """Read pages into ``out`` rows (uint8 [m, page_bytes]): key i into ``out[rows[i]]``
+        (rows default 0..n-1, then m >= n), read there directly (no staging copy). False = miss:
+        absent, or damaged (C3: counted in ``corruptions``, the row zeroed, never wrong bytes)."""
         self.check()
         keys = self._validate_keys(keys)
+        if rows is None:
+            rows = range(len(keys))
+        elif len(rows) != len(keys):
+            raise InvalidInput(f"rows names {len(rows)} rows for {len(keys)} keys")
+        top = max(rows, default=-1) + 1
         if not isinstance(out, np.ndarray) or out.dtype != np.uint8 or out.ndim != 2 \
-                or out.shape[1] != self.page_bytes or out.shape[0] < len(keys) or not out.flags.c_contiguous:
-            raise InvalidInput(f"out must be a C-contiguous uint8 numpy array [>= {len(keys)}, {self.page_bytes}]")
-        results = self.reader.read_into(keys, self.lookup(keys), out)
+                or out.shape[1] != self.page_bytes or out.shape[0] < top or not out.flags.c_contiguous \
+                or min(rows, default=0) < 0:
+            raise InvalidInput(f"out must be a C-contiguous uint8 numpy array [>= {top}, {self.page_bytes}]")
+        results = self.reader.read_into(keys, self.lookup(keys), out, rows)
         found = [False] * len(keys)
         hits = misses = bad = 0
         for i, ok in enumerate(results):
             if ok is None:  # moved by compaction between lookup and read: look again once
                 (e2,) = self.lookup([keys[i]])
-                ok = "absent" if e2 is None else bool(self.reader.read_entry(keys[i], e2, out[i]))
+                ok = "absent" if e2 is None else bool(self.reader.read_entry(keys[i], e2, out[rows[i]]))
             if ok is True:
                 found[i] = True
                 hits += 1
             else:
                 misses += 1
                 if ok is False:
-                    out[i] = 0
+                    out[rows[i]] = 0
                     bad += 1
         self.count(hits=hits, misses=misses, corruptions=bad)
         return found

@@ -1,8 +1,15 @@
 """Reads on the Db: the lookup (``match_prefix``), ``get_blocks`` / ``get_prefix``, ``pin``.
 
 Part of the class ``kvdb.db.core.Db`` (a mixin; its state and lock are the Db's). How lookups
-count hits and misses is documented at the top of kvdb/db/core.py. A page read from disk lands
-in the caller's tensor first and is then promoted into the host tier (clean: it is on disk).
+count hits and misses is documented at the top of kvdb/db/core.py.
+
+One copy on reads: a page read from disk lands in the caller's ``out`` directly (a CPU ``out``:
+``preadv`` into its rows; a device ``out``: into one reused host staging buffer, then one
+host-to-device copy) and is then promoted into the host tier (clean: it is on disk) by a copy
+from those same bytes, never a second read. Every disk read is checked (C3, kvdb/cold/read.py):
+a block that fails is a miss, its row zeroed. Keys stored nowhere are found before any read, so
+they write nothing; after a failed check the rows read in that call (past a prefix's end, or
+all of them for NotFound) are unspecified.
 """
 
 from __future__ import annotations
@@ -12,6 +19,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from kvdb.buffer_pool.arena import cuda_available, frame_runs
 from kvdb.buffer_pool.pool import HOST
 from kvdb.buffer_pool.replacer import AccessContext
 from kvdb.db.handles import PinnedPages
@@ -25,7 +33,13 @@ def describe_keys(keys: Sequence[bytes], limit: int = 4) -> str:
     return shown + more
 
 
+#: a device ``out``'s staging buffer is kept between reads up to this size (bigger: per call)
+STAGE_KEEP_BYTES = 256 << 20
+
+
 class ReadMixin:
+    _read_stage: torch.Tensor | None = None  # the reused host staging buffer (device reads)
+
     def match_prefix(self, keys, *, ctx: AccessContext | None = None, peek: bool = False) -> int:
         """How many leading keys are stored in any tier (the lookup; counts hits and misses).
 
@@ -80,34 +94,67 @@ class ReadMixin:
         self._disk_reads += sum(found)
         return buf, found
 
-    def _promote_from_disk(self, keys: list[bytes], buf: np.ndarray) -> None:
-        """Place pages read from disk in the host tier (clean: they are on disk already)."""
-        rows = list({k: i for i, k in reversed(list(enumerate(keys)))}.values())  # first row of each key
-        if len(rows) != len(keys):
-            keys, buf = [keys[i] for i in rows], buf[rows]
+    def _promote_from_disk(self, keys: list[bytes], src: torch.Tensor, rows: list[int] | None = None) -> None:
+        """Place pages read from disk in the host tier (clean: they are on disk already), copied
+        from ``src[rows[i]]`` (rows default 0..n-1): the rows the read landed in."""
+        rows = list(range(len(keys))) if rows is None else rows
+        first = {k: r for k, r in reversed(list(zip(keys, rows)))}  # a key twice: its first row
+        if len(first) != len(keys):
+            keys, rows = list(first), list(first.values())
         if keys:
-            self.pool.insert(keys, torch.from_numpy(buf), [-1] * len(keys), dirty=False, start_tier=HOST)
+            self.pool.insert(keys, src, [-1] * len(keys), dirty=False, start_tier=HOST, rows=rows)
+
+    def _stage(self, k: int) -> torch.Tensor:
+        """A host buffer of ``k`` pages for reads into a device ``out`` (pinned when CUDA is
+        present), reused between calls (under the Db lock) up to STAGE_KEEP_BYTES."""
+        st = self._read_stage
+        if st is None or st.shape[0] < k:
+            with torch.inference_mode(False):
+                st = torch.empty((k, self.layout.page_bytes), dtype=torch.uint8, pin_memory=cuda_available())
+            if st.numel() <= STAGE_KEEP_BYTES:
+                self._read_stage = st
+        return st[:k]
+
+    def _read_disk_into(self, keys: list[bytes], dst: torch.Tensor, rows: list[int]) -> tuple[list[bool], torch.Tensor, list[int]]:
+        """Read keys from the disk tier into ``dst[rows[i]]`` with one copy. Returns (found,
+        src, src_rows): the host tensor and rows holding the pages, to promote from."""
+        if dst.device.type == "cpu":
+            src, src_rows = dst, rows
+        else:
+            src, src_rows = self._stage(len(keys)), list(range(len(keys)))
+        found = self._cold_call(self._cold.get_into, keys, src.detach().numpy(), src_rows)
+        self._disk_reads += sum(found)
+        if src is not dst:
+            ok = [j for j, f in enumerate(found) if f]
+            for d0, s0, m in frame_runs(ok, [rows[j] for j in ok]):  # one copy per run of rows
+                dst[d0 : d0 + m].copy_(src[s0 : s0 + m], non_blocking=src.is_pinned())
+            if src.is_pinned():
+                torch.cuda.current_stream(dst.device).synchronize()
+        return found, src, src_rows
 
     def _load_from_disk(self, keys: list[bytes]) -> tuple[list[bytes], list[bytes]]:
         """Read keys from the disk tier into memory (promotion). Returns (loaded, missing)."""
         buf, found = self._read_disk(keys)
         ok = [i for i, f in enumerate(found) if f]
         loaded = [keys[i] for i in ok]
-        self._promote_from_disk(loaded, buf[ok] if len(ok) != len(keys) else buf)
+        self._promote_from_disk(loaded, torch.from_numpy(buf), ok)
         return loaded, [keys[i] for i, f in enumerate(found) if not f]
 
     def get_blocks(self, keys, out: torch.Tensor, *, ctx: AccessContext | None = None) -> None:
         """Copy the blocks of ``keys`` into ``out[:len(keys)]`` bit-exact; NotFound names absent keys.
 
         ``out``: a preallocated tensor [>= len(keys), *layout.block_shape] of the layout dtype
-        on the CPU or the device tier's device. Nothing is written when a key is missing.
-        Blocks read from disk go straight into ``out`` and are then promoted to the host tier.
+        on the CPU or the device tier's device. Blocks read from disk land straight in ``out``
+        (one copy) and are promoted to the host tier from there. Nothing is written when a key
+        is not stored; when a stored block fails its checksum (NotFound too), the rows of
+        ``out`` read from disk in that call are unspecified (the damaged one's is zeroed).
         """
         self._read_into(keys, out, ctx, prefix=False)
 
     def get_prefix(self, keys, out: torch.Tensor, *, ctx: AccessContext | None = None) -> int:
         """Copy the longest leading run of readable blocks of ``keys`` into ``out``; return its
-        length. A block that is absent or fails its checksum ends the run (never wrong bytes)."""
+        length. A block that is absent or fails its checksum ends the run (never wrong bytes);
+        rows of ``out`` past the run are unspecified."""
         return self._read_into(keys, out, ctx, prefix=True)
 
     def _read_into(self, keys, out: torch.Tensor, ctx: AccessContext | None, prefix: bool) -> int:
@@ -118,30 +165,37 @@ class ReadMixin:
         with self._lock:
             self._check()
             absent_rows = self.pool.absent_rows(keys)
-            if prefix and self._cold is None and absent_rows:  # the run ends at the first key not in memory
-                n = absent_rows[0]
-                keys, absent_rows = keys[:n], []
-            buf = None
             if absent_rows:
-                buf, found = self._read_disk([keys[i] for i in absent_rows])
+                # keys on no tier end a prefix or fail the call before any byte is written
+                on_disk = self._cold_call(self._cold.contains, [keys[i] for i in absent_rows]) \
+                    if self._cold is not None else [False] * len(absent_rows)
+                if not all(on_disk):
+                    if not prefix:
+                        missing = [keys[i] for i, d in zip(absent_rows, on_disk) if not d]
+                        raise NotFound(f"{len(missing)} of {n} keys are not stored: {describe_keys(missing)}")
+                    stop = on_disk.index(False)
+                    n = absent_rows[stop]
+                    keys, absent_rows = keys[:n], absent_rows[:stop]
+            if absent_rows:
+                # straight into out's rows (C3 checked); a block that fails its check ends a
+                # prefix there or raises NotFound, the rows already read then unspecified
+                found, src, src_rows = self._read_disk_into([keys[i] for i in absent_rows], dst, absent_rows)
                 if not all(found):
                     if not prefix:
                         missing = [keys[i] for i, f in zip(absent_rows, found) if not f]
                         raise NotFound(f"{len(missing)} of {n} keys are not stored (or failed their checksum): "
                                        f"{describe_keys(missing)}")
-                    n = absent_rows[found.index(False)]
-                    keep = [j for j, i in enumerate(absent_rows) if i < n]
-                    absent_rows, buf = absent_rows[: len(keep)], buf[: len(keep)]
+                    keep = found.index(False)
+                    n = absent_rows[keep]
+                    absent_rows, src_rows = absent_rows[:keep], src_rows[:keep]
                     keys = keys[:n]
             if absent_rows:
                 absent = set(absent_rows)
                 rows = [i for i in range(n) if i not in absent]
                 resident = [keys[i] for i in rows]
                 self.pool.read_into(resident, dst, rows)
-                rows_t = torch.as_tensor(absent_rows, dtype=torch.long, device=dst.device)
-                dst.index_copy_(0, rows_t, torch.from_numpy(buf).to(dst.device))
                 self.pool.touch(resident, ctx)
-                self._promote_from_disk([keys[i] for i in absent_rows], buf)
+                self._promote_from_disk([keys[i] for i in absent_rows], src, src_rows)
             else:
                 self.pool.read_into(keys, dst)
                 self.pool.touch(keys, ctx)

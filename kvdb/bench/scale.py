@@ -1,0 +1,186 @@
+"""``kvdb bench scale``: the disk tier's read path against plain file I/O of the same bytes.
+
+Figures measured in one run (issue 12, item 5; the open and ingest figures are not here yet):
+
+* ``read_gbps``         ``Db.get_blocks`` of 64 KiB pages from the disk tier in batches, into a
+                        preallocated CPU ``out`` (promotion into the host tier included), the
+                        segment files' page cache dropped first (fdatasync, posix_fadvise DONTNEED);
+* ``raw_read_gbps``     the baseline: ``preadv`` of the same record extents (adjacent records
+                        in one call, into one preallocated buffer), page cache dropped the same way;
+* ``get1_p50_us``       median of one block per ``get_blocks`` call, cold (a fresh Db: nothing in
+                        memory, page cache dropped), keys in a shuffled order;
+* ``file_get1_p50_us``  the baseline: one file per block holding the same bytes (the design of a
+                        plain one-file-per-block cache), open + ``preadv`` + close per block, cold.
+
+Each phase runs ``repeats`` times, the baseline and the store alternating first; the figures are
+medians. Goals printed with them: read >= 0.9 x raw, get1 <= 1.1 x file get1. The page cache
+can be dropped only where the filesystem honours DONTNEED (tmpfs does not: then both sides read
+memory and the ratios compare CPU paths).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import statistics
+import tempfile
+import time
+
+import numpy as np
+import torch
+
+import kvdb
+from kvdb.format.layout import BlockLayout
+from kvdb.fs import drop_page_cache
+
+#: 64 KiB pages (bf16: 4 layers x k/v x 16 tokens x 2 heads x 128)
+PAGE64K = BlockLayout(num_layers=4, num_kv_heads=2, head_dim=128, block_tokens=16)
+
+
+def _drop_dir(d: str) -> None:
+    for name in os.listdir(d):
+        p = os.path.join(d, name)
+        if os.path.isfile(p):
+            drop_page_cache(p)
+
+
+def _keys(n: int, tag: int) -> list[bytes]:
+    return [tag.to_bytes(4, "little") + i.to_bytes(12, "little") for i in range(n)]
+
+
+def _open(path: str, host_pages: int):
+    return kvdb.open(path, layout=PAGE64K, model_id="bench-scale", host_bytes=host_pages * PAGE64K.page_bytes)
+
+
+def _runs(entries) -> list[tuple[int, int, int, int]]:
+    """(segment, offset, bytes, records) per run of back-to-back records, in key order."""
+    runs: list[list[int]] = []
+    for e in entries:
+        if runs and runs[-1][0] == e.segment_no and runs[-1][1] + runs[-1][2] == e.offset:
+            runs[-1][2] += e.record_bytes
+            runs[-1][3] += 1
+        else:
+            runs.append([e.segment_no, e.offset, e.record_bytes, 1])
+    return [tuple(r) for r in runs]  # type: ignore[misc]
+
+
+def bench_scale(*, total_mib: int = 256, batch_pages: int = 256, get1_blocks: int = 256, repeats: int = 3,
+                dir_path: str | None = None, progress=None) -> dict:
+    lay = PAGE64K
+    page = lay.page_bytes
+    n = max(batch_pages, (total_mib << 20) // page // batch_pages * batch_pages)
+    root = tempfile.mkdtemp(prefix="kvdb-bench-scale-", dir=dir_path)
+    steps, done = repeats * 2, 0
+
+    def tick() -> None:
+        nonlocal done
+        done += 1
+        if progress is not None:
+            progress(done, steps)
+
+    try:
+        path = os.path.join(root, "db")
+        keys = _keys(n, 1)
+        g = torch.Generator().manual_seed(0)
+        blocks = torch.randint(-(1 << 15), 1 << 15, (batch_pages, *lay.block_shape), dtype=torch.int16,
+                               generator=g).view(lay.dtype)
+        with _open(path, 16) as db:
+            for b in range(0, n, batch_pages):
+                db.put_blocks(keys[b : b + batch_pages], blocks, tier="disk", durability="group")
+            db.flush()
+            cold = db._cold
+            wal_dir = cold.wal_dir
+            entries = cold.lookup(keys)
+            segs = {e.segment_no: cold.reader.segments.path(e.segment_no) for e in entries}
+        batches = [_runs(entries[b : b + batch_pages]) for b in range(0, n, batch_pages)]
+        # one file per block for the get1 baseline: the same bytes, fsynced
+        files_dir = os.path.join(root, "files")
+        os.makedirs(files_dir)
+        src = blocks.view(torch.uint8).reshape(batch_pages, page).numpy()
+        for i in range(get1_blocks):
+            with open(os.path.join(files_dir, keys[i].hex()), "wb") as f:
+                f.write(src[i % batch_pages].tobytes())
+                f.flush()
+                os.fsync(f.fileno())
+        order = np.random.default_rng(1).permutation(get1_blocks).tolist()
+
+        raw_s, read_s, file_us, get1_us = [], [], [], []
+        out = torch.empty((batch_pages, *lay.block_shape), dtype=lay.dtype)
+        raw_buf = np.empty(batch_pages * (page + 4096), dtype=np.uint8)
+        for r in range(repeats):
+            for side in ((0, 1) if r % 2 == 0 else (1, 0)):
+                if side == 0:  # baseline: preadv of the same extents
+                    _drop_dir(wal_dir)
+                    fds = {s: os.open(p, os.O_RDONLY) for s, p in segs.items()}
+                    try:
+                        t0 = time.perf_counter()
+                        for runs in batches:
+                            at = 0
+                            for seg, off, nbytes, _recs in runs:
+                                got = os.preadv(fds[seg], [memoryview(raw_buf)[at : at + nbytes]], off)
+                                assert got == nbytes
+                                at += nbytes
+                        raw_s.append(time.perf_counter() - t0)
+                    finally:
+                        for fd in fds.values():
+                            os.close(fd)
+                else:  # the Db, fresh: nothing in memory
+                    with _open(path, 2 * batch_pages) as db:  # room to promote a batch
+                        db.get_blocks(keys[:1], out[:1])  # warm-up: fds, threads
+                        _drop_dir(wal_dir)
+                        t0 = time.perf_counter()
+                        for b in range(0, n, batch_pages):
+                            db.get_blocks(keys[b : b + batch_pages], out)
+                        read_s.append(time.perf_counter() - t0)
+                    assert torch.equal(out.view(torch.uint8).reshape(batch_pages, page)[0], torch.from_numpy(src[0]))
+            tick()
+            for side in ((0, 1) if r % 2 == 0 else (1, 0)):
+                one = np.empty(page, dtype=np.uint8)
+                if side == 0:  # baseline: one file per block
+                    for i in range(get1_blocks):
+                        drop_page_cache(os.path.join(files_dir, keys[i].hex()))
+                    for i in order:
+                        t0 = time.perf_counter()
+                        fd = os.open(os.path.join(files_dir, keys[i].hex()), os.O_RDONLY)
+                        try:
+                            got = os.preadv(fd, [one], 0)
+                        finally:
+                            os.close(fd)
+                        file_us.append((time.perf_counter() - t0) * 1e6)
+                        assert got == page
+                else:
+                    with _open(path, max(16, get1_blocks + 1)) as db:
+                        o1 = torch.empty((1, *lay.block_shape), dtype=lay.dtype)
+                        db.get_blocks(keys[n - 1 : n], o1)  # warm-up: fds (a key not timed)
+                        _drop_dir(wal_dir)
+                        for i in order:
+                            t0 = time.perf_counter()
+                            db.get_blocks(keys[i : i + 1], o1)
+                            get1_us.append((time.perf_counter() - t0) * 1e6)
+            tick()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    gb = n * page / 1e9
+    raw_gbps = gb / statistics.median(raw_s)
+    read_gbps = gb / statistics.median(read_s)
+    g1, f1 = statistics.median(get1_us), statistics.median(file_us)
+    return {
+        "page_bytes": page,
+        "pages": n,
+        "batch_pages": batch_pages,
+        "repeats": repeats,
+        "read_gbps": round(read_gbps, 3),
+        "raw_read_gbps": round(raw_gbps, 3),
+        "read_vs_raw": round(read_gbps / raw_gbps, 3),
+        "read_gbps_runs": [round(gb / s, 3) for s in read_s],
+        "raw_read_gbps_runs": [round(gb / s, 3) for s in raw_s],
+        "get1_blocks": get1_blocks,
+        "get1_p50_us": round(g1, 1),
+        "file_get1_p50_us": round(f1, 1),
+        "get1_vs_file": round(g1 / f1, 3),
+        "goals": {"read_vs_raw_min": 0.9, "get1_vs_file_max": 1.1,
+                  "met": bool(read_gbps >= 0.9 * raw_gbps and g1 <= 1.1 * f1)},
+    }
+
+
+__all__ = ["PAGE64K", "bench_scale"]

@@ -1,0 +1,30 @@
+"""``kvdb bench scale``: the disk tier's reads against plain file I/O of the same bytes
+(kvdb/bench/scale.py; issue 12 item 5, the read figures)."""
+
+from __future__ import annotations
+
+import click
+
+from kvdb.cli.output import emit, json_option, progress
+
+
+@click.command("scale")
+@click.option("--dir", "dir_path", type=click.Path(exists=True, file_okay=False), default=None,
+              help="where to write the scratch files (default: the system temp dir)")
+@click.option("--total-mib", default=256, show_default=True, help="bytes of 64 KiB pages read in batches")
+@click.option("--batch-pages", default=256, show_default=True, help="pages per get_blocks call (batch reads)")
+@click.option("--get1-blocks", default=256, show_default=True, help="one-block reads timed per repeat")
+@click.option("--repeats", default=3, show_default=True, help="runs per phase; figures are their medians")
+@json_option
+def bench_scale_cmd(dir_path, total_mib, batch_pages, get1_blocks, repeats, as_json) -> None:
+    """Disk-tier reads (batched and one block per call, cold) vs preadv / one file per block."""
+    from kvdb.bench.scale import bench_scale
+
+    with progress(2 * repeats, "bench scale", enabled=not as_json) as advance:
+        res = bench_scale(total_mib=total_mib, batch_pages=batch_pages, get1_blocks=get1_blocks, repeats=repeats,
+                          dir_path=dir_path, progress=lambda done, total: advance())
+    emit(res, as_json)
+
+
+def register(cli: click.Group) -> None:
+    cli.commands["bench"].add_command(bench_scale_cmd)

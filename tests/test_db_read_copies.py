@@ -1,0 +1,131 @@
+"""One copy on reads (issue 12 item 3): a disk read lands in the caller's ``out`` directly, and
+promotion into the host tier copies from ``out`` (never a staging buffer, never a second read).
+
+The copy sites are observed, not timed: every ``preadv`` the reader issues is recorded (which
+memory each page lands in), and so is every arena write (where a promoted page is copied from).
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+from helpers import LAYOUT, PAGE, blocks_for
+
+import kvdb
+from kvdb.buffer_pool.arena import Arena
+from kvdb.errors import NotFound
+
+
+def _addr(buf) -> tuple[int, int]:
+    a = np.asarray(buf) if isinstance(buf, np.ndarray) else np.frombuffer(buf, dtype=np.uint8)
+    return a.__array_interface__["data"][0], a.nbytes
+
+
+class Spy:
+    """Records the page-sized buffers the disk reader fills and the sources of arena writes."""
+
+    def __init__(self, db, monkeypatch) -> None:
+        self.preadv_calls = 0
+        self.pages_read: list[tuple[int, int]] = []  # (address, bytes) of each page-sized iovec
+        self.arena_srcs: list[int] = []  # data_ptr of each arena write's source
+        fs = db._cold.reader.fs
+        real_preadv = fs.preadv
+
+        def preadv(fd, bufs, offset):
+            self.preadv_calls += 1
+            self.pages_read += [_addr(b) for b in bufs if _addr(b)[1] == PAGE]
+            return real_preadv(fd, bufs, offset)
+
+        monkeypatch.setattr(fs, "preadv", preadv)
+        real_write = Arena.write
+
+        def write(arena, frames, src, rows=None):
+            self.arena_srcs.append(src.data_ptr())
+            return real_write(arena, frames, src, rows)
+
+        monkeypatch.setattr(Arena, "write", write)
+
+        def no_index_copy(*a, **k):
+            raise AssertionError("index_copy_ on the read path: a second copy of the pages")
+
+        monkeypatch.setattr(torch.Tensor, "index_copy_", no_index_copy)
+
+
+def _inside(addr: int, nbytes: int, t: torch.Tensor) -> bool:
+    return t.data_ptr() <= addr and addr + nbytes <= t.data_ptr() + t.nbytes
+
+
+def test_disk_reads_land_in_out_and_promote_from_it(tmp_path, monkeypatch):
+    # Scenario: 8 blocks put straight to disk (adjacent records), 2 of them then read into
+    # memory; a get of all 8 reads the 6 others from disk: every page lands inside out (rows
+    # 2-7, one preadv per adjacent run), promotion copies from out, and no index_copy_ runs.
+    with kvdb.open(tmp_path, layout=LAYOUT, model_id="m", host_bytes=16 * PAGE) as db:
+        keys = db.block_keys(list(range(8 * LAYOUT.block_tokens)))
+        b = blocks_for(8)
+        db.put_blocks(keys, b, tier="disk", durability="group")
+        warm = torch.zeros((2, *LAYOUT.block_shape))
+        db.get_blocks(keys[:2], warm)  # rows 0-1 now resident
+        assert [k in db.pool for k in keys] == [True] * 2 + [False] * 6
+        spy = Spy(db, monkeypatch)
+        out = torch.zeros((8, *LAYOUT.block_shape))
+        db.get_blocks(keys, out)
+        assert torch.equal(out, b)
+        assert len(spy.pages_read) == 6 and all(_inside(a, n, out[2:]) for a, n in spy.pages_read)
+        assert spy.preadv_calls == 1  # records 2-7 lie back to back: one coalesced preadv
+        assert spy.arena_srcs == [out.data_ptr()]  # the promotion: one write, from out itself
+        assert all(k in db.pool for k in keys)
+        out2 = torch.zeros_like(out)
+        db.get_blocks(keys, out2)  # now all in memory: no disk read at all
+        assert torch.equal(out2, b) and spy.preadv_calls == 1
+
+
+def test_scattered_disk_rows_each_read_once(tmp_path, monkeypatch):
+    # Scenario: disk keys at rows 1, 3, 4 of out (rows 0 and 2 resident): each page is read once
+    # straight into its own row, and a key asked twice is promoted once.
+    with kvdb.open(tmp_path, layout=LAYOUT, model_id="m", host_bytes=16 * PAGE) as db:
+        keys = db.block_keys(list(range(5 * LAYOUT.block_tokens)))
+        b = blocks_for(5, seed=3)
+        db.put_blocks(keys, b, tier="disk", durability="group")
+        db.get_blocks([keys[0], keys[2]], torch.zeros((2, *LAYOUT.block_shape)))
+        spy = Spy(db, monkeypatch)
+        ask = keys + [keys[3]]
+        out = torch.zeros((6, *LAYOUT.block_shape))
+        db.get_blocks(ask, out)
+        assert torch.equal(out[:5], b) and torch.equal(out[5], b[3])
+        rows = sorted((a - out.data_ptr()) // PAGE for a, _n in spy.pages_read)
+        assert rows == [1, 3, 4, 5]  # row 5 (the repeat) is read into its own row too
+        assert spy.arena_srcs == [out.data_ptr()]
+
+
+def test_a_damaged_block_ends_the_prefix_and_counts(tmp_path, monkeypatch):
+    # Scenario: 4 blocks on disk, the payload of block 2 flipped on disk: get_prefix returns 2
+    # (rows 0-1 exact), get_blocks raises NotFound, the damage is counted, nothing damaged is
+    # promoted; a key stored nowhere writes nothing into out.
+    with kvdb.open(tmp_path, layout=LAYOUT, model_id="m", host_bytes=16 * PAGE) as db:
+        keys = db.block_keys(list(range(4 * LAYOUT.block_tokens)))
+        b = blocks_for(4, seed=5)
+        db.put_blocks(keys, b, tier="disk", durability="sync")
+        (e,) = db._cold.lookup([keys[2]])
+        seg = db._cold.reader.segments.path(e.segment_no)
+        fd = os.open(seg, os.O_RDWR)
+        try:
+            at = e.offset + e.record_bytes - 7
+            os.pwrite(fd, bytes([os.pread(fd, 1, at)[0] ^ 0xFF]), at)
+        finally:
+            os.close(fd)
+        out = torch.zeros((4, *LAYOUT.block_shape))
+        assert db.get_prefix(keys, out) == 2
+        assert torch.equal(out[:2], b[:2])
+        assert keys[2] not in db.pool and keys[3] not in db.pool
+        with pytest.raises(NotFound):
+            db.get_blocks(keys[2:], torch.zeros((2, *LAYOUT.block_shape)))
+        assert db.stats()["tiers"]["disk"]["corruptions"] >= 2
+        spy = Spy(db, monkeypatch)
+        other = db.block_keys(list(range(100, 100 + LAYOUT.block_tokens)))
+        out = torch.full((2, *LAYOUT.block_shape), 7.0)
+        with pytest.raises(NotFound):
+            db.get_blocks([keys[3], other[0]], out)
+        assert spy.preadv_calls == 0 and bool((out == 7.0).all())  # stored nowhere: nothing read or written
