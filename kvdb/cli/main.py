@@ -1,6 +1,8 @@
 """``kvdb`` entry point. Each command group lives in its own module and registers here.
 
-Exit codes: 0 ok, 1 runtime error, 2 usage, 3 corruption found.
+Exit codes: 0 ok, 1 runtime error, 2 usage, 3 corruption found. Every error is one line on
+stderr (``kvdb: error: ...``), never a traceback: kvdb's own errors, and the file errors
+(a missing or unwritable path, a file that is not text) a command did not turn into one.
 """
 
 from __future__ import annotations
@@ -37,6 +39,13 @@ class KvdbGroup(click.Group):
             sys.exit(3)
         except KvdbError as e:
             click.echo(f"kvdb: error: {e}", err=True)
+            sys.exit(1)
+        except OSError as e:  # a path the user named: missing, unwritable, a directory, ...
+            where = f": {e.filename}" if e.filename else ""
+            click.echo(f"kvdb: error: {e.strerror or e}{where}", err=True)
+            sys.exit(1)
+        except UnicodeDecodeError as e:
+            click.echo(f"kvdb: error: an input is not UTF-8 text (byte {e.start}: {e.reason})", err=True)
             sys.exit(1)
 
 
