@@ -55,6 +55,12 @@ def _check_listen(listen: str) -> None:
             raise KvdbError(f"cannot listen on {listen}: {e.strerror or e}") from None
 
 
+def _positive_seconds(v: float) -> float:
+    if not 0 < v < float("inf"):  # also refuses nan
+        raise click.BadParameter(f"{v} is not a positive number of seconds")
+    return v
+
+
 @replicate.command("serve")
 @click.option("--db", "db_path", required=True, type=click.Path(file_okay=False), help="data directory this node owns")
 @click.option("--listen", required=True, help="HOST:PORT for peers (port 0 picks a free one)")
@@ -68,12 +74,20 @@ def _check_listen(listen: str) -> None:
 @click.option("--layout", "layout_json", default=None, help="layout JSON for a new data directory")
 @click.option("--model-id", default=None, help="model id for a new data directory")
 @click.option("--replica", "replicas", multiple=True, help="HOST:PORT of a follower to ship this node's log to")
+@click.option("--max-connections", type=click.IntRange(min=1), default=256, show_default=True,
+              help="open connections (handshaking or serving, one thread each); more are refused")
+@click.option("--max-handshakes", type=click.IntRange(min=1), default=16, show_default=True,
+              help="connections not yet authenticated at once; more are refused")
+@click.option("--handshake-timeout", "handshake_timeout_s", type=float, default=10.0, show_default=True,
+              callback=lambda ctx, param, v: _positive_seconds(v),
+              help="seconds an unauthenticated peer has for the whole handshake")
 @json_option
 def serve_cmd(db_path, listen, secret_file, transport, node, host_bytes, disk_bytes, encryption_key_file,
-              layout_json, model_id, replicas, as_json) -> None:
+              layout_json, model_id, replicas, max_connections, max_handshakes, handshake_timeout_s, as_json) -> None:
     """Own the Db at --db and serve pushes, lookups and log streams until SIGTERM / SIGINT;
     with --replica, also ship this node's log to those followers. A follower behind its
-    leader's log is re-seeded from a copy (not a node that is itself a leader)."""
+    leader's log is re-seeded from a copy (not a node that is itself a leader). Unauthenticated
+    peers are bounded by the connection caps, the handshake deadline and a 64 KiB read cap."""
     import kvdb
     from kvdb.replication.channel import load_secret
     from kvdb.replication.node import NodeServer
@@ -97,13 +111,16 @@ def serve_cmd(db_path, listen, secret_file, transport, node, host_bytes, disk_by
     server = None
     try:
         sink = LogSink.for_db(db, reopen=None if replicas else reopen)
-        server = NodeServer(db, listen, secret, node=node, transport=transport, sink=sink)
+        server = NodeServer(db, listen, secret, node=node, transport=transport, sink=sink,
+                            max_connections=max_connections, max_handshakes=max_handshakes,
+                            handshake_timeout_s=handshake_timeout_s)
         rep = None
         if replicas:
             from kvdb.replication.replicator import Replicator
 
             rep = Replicator(db, replicas=list(replicas), secret=secret, transport=transport, node=server.node)
             server.leader_status = lambda: rep.status()["followers"]
+            server.replicator = rep
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: done.set())
         server.start()
@@ -135,7 +152,8 @@ def serve_cmd(db_path, listen, secret_file, transport, node, host_bytes, disk_by
 @click.option("--secret-file", required=True, type=click.Path(dir_okay=False))
 @json_option
 def status_cmd(peer: str, secret_file: str, as_json: bool) -> None:
-    """A node's counters, its follower position and, for a leader, each follower's lag."""
+    """A node's counters (refused connections, auth failures, handshake timeouts, oversize
+    frames, ...), its limits, its follower position and, for a leader, each follower's lag."""
     from kvdb.replication.peer import Peer
 
     with Peer(peer, secret_file=secret_file, transport="tcp") as p:
@@ -151,6 +169,15 @@ def _render_status(s: dict, console) -> None:
     for k, v in sorted(s.get("counters", {}).items()):
         t.add_row(k, str(v))
     console.print(t)
+    lim, now = s.get("limits"), s.get("connections_open")
+    if lim:
+        console.print(f"connections: {now.get('serving')} serving, {now.get('handshaking')} handshaking; limits "
+                      f"{lim.get('max_connections')} connections, {lim.get('max_handshakes')} handshakes, "
+                      f"{lim.get('handshake_timeout_s')} s per handshake, {lim.get('preauth_max_bytes')} bytes "
+                      "before authentication")
+    rc = s.get("replicator")
+    if rc:
+        console.print("as a leader: " + ", ".join(f"{k} {v}" for k, v in sorted(rc.items())))
     fol = s.get("follower")
     if fol:
         rs = fol.get("reseed")

@@ -10,7 +10,9 @@ object with ``attach_replication``. The Db then
   local)`` for more (it stores what it finds through the Db's own API and returns how many
   leading keys are local now; ``stats()["remote_hits"]`` counts the difference);
 * closes it in ``close``, once the mover has stopped and before dirty pages are written back
-  and the cold tier closes.
+  and the cold tier closes;
+* shows its ``counters_snapshot()`` (peers that refused this node: wrong secret, caps,
+  another namespace) as ``stats()["replication"]``.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ from kvdb.types import DURABILITIES
 
 class AttachedMixin:
     def _init_attached(self) -> None:
-        self._replication = None  # the attached replication object (push, sync_replicas, reseed, status, close)
+        # the attached replication object (push, sync_replicas, reseed, status, counters_snapshot, close)
+        self._replication = None
         self._on_miss: Callable[[list, int], int] | None = None
         self._remote_hits = 0
 
@@ -42,6 +45,10 @@ class AttachedMixin:
         now = self._on_miss(keys, local)
         self._remote_hits += now - local
         return now
+
+    def _attached_stats(self) -> dict:
+        replication = self._replication
+        return {"replication": replication.counters_snapshot()} if replication is not None else {}
 
     def _close_attached(self) -> None:
         replication, self._replication, self._on_miss = getattr(self, "_replication", None), None, None

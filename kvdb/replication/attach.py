@@ -9,10 +9,22 @@ local lookup miss asks the ``peers`` (``Replicator.fetch_missing``), and the log
 
 from __future__ import annotations
 
+import weakref
 from typing import Sequence
 
 from kvdb.errors import InvalidInput
 from kvdb.replication.replicator import Replicator
+
+_attached: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # Db -> its Replicator
+
+
+def replicator_of(db) -> Replicator | None:
+    """The Replicator attached to ``db`` by ``attach_replication``, if any (a NodeServer serving
+    that Db shows its counters there, node.py)."""
+    try:
+        return _attached.get(db)
+    except TypeError:  # not weak-referenceable: nothing was attached to it here
+        return None
 
 
 def attach_replication(db, peers: Sequence[str] = (), replicas: Sequence[str] = (), secret_file=None,
@@ -30,4 +42,5 @@ def attach_replication(db, peers: Sequence[str] = (), replicas: Sequence[str] = 
     except BaseException:
         rep.close()
         raise
+    _attached[db] = rep
     return rep

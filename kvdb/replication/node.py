@@ -1,8 +1,8 @@
 """NodeServer: a kvdb node that accepts pushes, lookups and log streams from its peers.
 
-One accept thread; one thread per authenticated connection, which handles that connection's
-requests strictly in order (so acknowledgements come back in request order). The node owns a
-Db (``kvdb replicate serve --db PATH``) and calls only its public API:
+One accept thread; one thread per connection, which runs the handshake and then handles the
+connection's requests strictly in order (so acknowledgements come back in request order). The
+node owns a Db (``kvdb replicate serve --db PATH``) and calls only its public API:
 
     db.layout, db.put_blocks(keys, blocks, durability=...), db.match_prefix(keys),
     db.get_blocks(keys, out=...), db.stats(),
@@ -10,10 +10,24 @@ Db (``kvdb replicate serve --db PATH``) and calls only its public API:
 
 and, for log shipping, a ``LogSink`` (shipping.py) that applies the leader's records.
 
-Connection states::
+Connection states (each way out of the handshake is counted in ``counters``)::
 
-    accepted --handshake ok--> serving --ERROR sent / peer closed / bad frame--> closed
-        └--wrong secret: ERROR{AUTH}, counted in auth_failures--> closed
+    accepted --over a cap: ERROR{BUSY}--> closed                       (rejected_connections)
+       └--> handshaking --proof ok--> serving --ERROR sent / peer closed / bad frame--> closed
+               ├--wrong secret: ERROR{AUTH}--> closed                  (auth_failures)
+               ├--deadline passed--> closed                            (handshake_timeouts)
+               ├--a frame declaring more than the cap--> closed        (oversize_frames)
+               ├--a malformed or unexpected frame--> closed            (malformed_frames)
+               └--peer closed / reset--> closed                        (handshakes_abandoned)
+
+Limits on unauthenticated peers (the threat model: docs/replication.md): at most
+``max_handshakes`` connections handshake at once and at most ``max_connections`` are open in
+all (handshaking or serving), so threads are bounded too (one each, plus the accept thread); a
+connection over either cap is answered ERROR{BUSY} and closed by the accept thread, without a
+thread of its own. Each handshake reads at most ``PREAUTH_MAX_BYTES`` (channel.py I4) and
+ends by ``handshake_timeout_s``, so unauthenticated peers hold at most ``max_handshakes *
+PREAUTH_MAX_BYTES`` of frame buffers (1 MiB with the defaults) and nothing of the Db: the WELCOME
+(layout, namespace) is built only for an authenticated peer.
 
 Invariants:
   N1. A PUT_ACK is sent only after ``put_blocks`` returned for every block of its chunk, with
@@ -26,6 +40,8 @@ Invariants:
       only after its digests matched (else released: nothing visible); frames a connection
       still holds when it closes are released after a grace period, so that an engine write
       still in flight cannot land in a frame already reused for another page.
+  N5. An unauthenticated peer gets nothing but CHALLENGE / ERROR frames: no Db call, no region,
+      no log line per connection (refusals are logged at 1, 2, 4, 8, ... of each counter).
 """
 
 from __future__ import annotations
@@ -46,9 +62,11 @@ from kvdb.errors import (
     NotFound,
     ReplicationError,
 )
-from kvdb.replication.channel import Channel, accept, parse_addr
+from kvdb.replication.attach import replicator_of
+from kvdb.replication.channel import DEFAULT_HANDSHAKE_TIMEOUT_S, Channel, HandshakeTimeout, accept, parse_addr
+from kvdb.replication.namespace import namespace_of
 from kvdb.replication.peer import DURABILITY, block_digests, decode_keys
-from kvdb.replication.protocol import ErrorCode, Message, MsgType
+from kvdb.replication.protocol import PREAUTH_MAX_BYTES, ErrorCode, FrameError, Message, MsgType, OversizeFrame
 from kvdb.replication.transport import Region, Transport, get_transport
 
 log = logging.getLogger("kvdb.replication")
@@ -56,6 +74,10 @@ log = logging.getLogger("kvdb.replication")
 DEFAULT_REGION_MAX_BYTES = 256 << 20  # landing memory one connection may ask for
 _FREE_REGIONS = 2  # released landing regions kept registered for the next connections
 LATE_WRITE_GRACE_S = 2.0  # frames of a closed connection are released this long after it closed
+DEFAULT_MAX_CONNECTIONS = 256  # open connections, handshaking or serving (one thread each)
+DEFAULT_MAX_HANDSHAKES = 16  # connections not yet authenticated
+_HANDSHAKE_OUTCOMES = ("auth_failures", "handshake_timeouts", "oversize_frames", "malformed_frames",
+                       "handshakes_abandoned", "rejected_connections")
 
 
 class NodeServer:
@@ -64,7 +86,18 @@ class NodeServer:
     def __init__(self, db, listen: str, secret: bytes, *, node: str | None = None,
                  transport: Transport | str | None = None, sink=None,
                  region_max_bytes: int = DEFAULT_REGION_MAX_BYTES,
-                 late_write_grace_s: float = LATE_WRITE_GRACE_S) -> None:
+                 late_write_grace_s: float = LATE_WRITE_GRACE_S,
+                 max_connections: int = DEFAULT_MAX_CONNECTIONS, max_handshakes: int = DEFAULT_MAX_HANDSHAKES,
+                 handshake_timeout_s: float = DEFAULT_HANDSHAKE_TIMEOUT_S) -> None:
+        for name, v in (("max_connections", max_connections), ("max_handshakes", max_handshakes)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise InvalidInput(f"{name} must be an int >= 1, got {v!r}")
+        if isinstance(handshake_timeout_s, bool) or not isinstance(handshake_timeout_s, (int, float)) \
+                or not 0 < handshake_timeout_s < float("inf"):
+            raise InvalidInput(f"handshake_timeout_s must be a positive finite number, got {handshake_timeout_s!r}")
+        self.max_connections = max_connections
+        self.max_handshakes = min(max_handshakes, max_connections)
+        self.handshake_timeout_s = float(handshake_timeout_s)
         self.db = db
         self.late_write_grace_s = float(late_write_grace_s)
         self.secret = secret
@@ -87,12 +120,17 @@ class NodeServer:
         else:
             te_host = host if host not in ("", "0.0.0.0", "::") else socket.gethostbyname(socket.gethostname())
             self.transport = get_transport(transport, local_host=te_host)
-        self._lock = threading.Lock()  # guards counters and _channels
+        self._lock = threading.Lock()  # guards counters, _channels and _handshaking
         self._channels: set[Channel] = set()
+        self._handshaking = 0  # accepted connections not yet authenticated (each has a thread)
+        self._pending: set[socket.socket] = set()  # their sockets (stop() wakes them)
         self._free_regions: list[Region] = []  # landing regions of closed connections, for reuse
-        self.counters = {"connections": 0, "auth_failures": 0, "corrupt_frames": 0, "blocks_received": 0,
-                         "bytes_received": 0, "blocks_landed_in_arena": 0, "lookups": 0, "blocks_served": 0,
-                         "blocks_served_by_engine": 0, "errors": 0}
+        self.counters = {"connections": 0, **dict.fromkeys(_HANDSHAKE_OUTCOMES, 0), "corrupt_frames": 0,
+                         "blocks_received": 0, "bytes_received": 0, "blocks_landed_in_arena": 0, "lookups": 0,
+                         "blocks_served": 0, "blocks_served_by_engine": 0, "errors": 0}
+        # the Replicator attached to this Db (attach.py), or the daemon's: its counters in status(),
+        # and this server's in its replication_status()
+        self.replicator = replicator_of(db)
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._arena = None  # the Db's host arena, once registered with the engine (by this node)
@@ -107,6 +145,8 @@ class NodeServer:
     # ------------------------------------------------------------------ lifecycle
 
     def start(self) -> NodeServer:
+        if self.replicator is not None:
+            self.replicator.add_server(self)
         self._thread = threading.Thread(target=self._accept_loop, name=f"kvdb-node-{self.address}", daemon=True)
         self._thread.start()
         return self
@@ -119,6 +159,8 @@ class NodeServer:
 
     def stop(self) -> None:
         self._stopping = True
+        if self.replicator is not None:
+            self.replicator.remove_server(self)
         try:
             self._sock.shutdown(socket.SHUT_RDWR)
         except OSError:
@@ -126,8 +168,14 @@ class NodeServer:
         self._sock.close()
         with self._lock:
             chans = list(self._channels)
+            pending = list(self._pending)
         for ch in chans:
             ch.close()
+        for conn in pending:  # handshakes in progress wake up and end
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
         if self._thread is not None:
             self._thread.join(5)
         if self._arena is not None:
@@ -186,9 +234,17 @@ class NodeServer:
     def __exit__(self, *exc) -> None:
         self.stop()
 
-    def _count(self, name: str, n: int = 1) -> None:
+    def _count(self, name: str, n: int = 1) -> int:
         with self._lock:
             self.counters[name] += n
+            return self.counters[name]
+
+    def _refused(self, counter: str, peer: str, why) -> None:
+        """Count a connection that ended without a session; log it at 1, 2, 4, 8, ... of its
+        counter so a flood of hostile connections cannot flood the log (N5)."""
+        n = self._count(counter)
+        if n & (n - 1) == 0:
+            log.warning("node %s refused %s (%s: %s); %d so far", self.node, peer, counter, why, n)
 
     def _accept_loop(self) -> None:
         while not self._stopping:
@@ -196,31 +252,85 @@ class NodeServer:
                 conn, addr = self._sock.accept()
             except OSError:
                 return
-            threading.Thread(target=self._serve_conn, args=(conn, f"{addr[0]}:{addr[1]}"),
-                             name=f"kvdb-conn-{addr[1]}", daemon=True).start()
+            peer = f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) else str(addr)
+            with self._lock:
+                busy = (self._handshaking >= self.max_handshakes
+                        or self._handshaking + len(self._channels) >= self.max_connections)
+                if not busy:
+                    self._handshaking += 1
+                    self._pending.add(conn)
+            if not busy:
+                try:
+                    threading.Thread(target=self._serve_conn, args=(conn, peer), name=f"kvdb-conn-{peer}",
+                                     daemon=True).start()
+                    continue
+                except RuntimeError:  # no thread to be had: refuse it like one over the cap
+                    with self._lock:
+                        self._handshaking -= 1
+                        self._pending.discard(conn)
+            self._reject(conn, peer)
+
+    def _reject(self, conn: socket.socket, peer: str) -> None:
+        """Over a cap: a best-effort ERROR{BUSY} (never blocks the accept thread), then close."""
+        self._refused("rejected_connections", peer, f"at the cap of {self.max_connections} connections / "
+                                                    f"{self.max_handshakes} handshakes")
+        try:
+            conn.settimeout(0)
+            Channel(conn, peer).send_error(ErrorCode.BUSY, f"node {self.node} is at its connection cap; retry later")
+        except OSError:
+            pass
+        conn.close()
+
+    def _handshake(self, conn: socket.socket, peer: str) -> Channel | None:
+        """Run the server side of the handshake (channel.py I4); the channel, or None when the
+        peer got no session (counted, connection closed)."""
+        counter = None
+        try:
+            ch = accept(conn, peer, self.secret, self.welcome, timeout_s=self.handshake_timeout_s)
+        except AuthError as e:
+            counter, why = "auth_failures", e
+        except HandshakeTimeout as e:
+            counter, why = "handshake_timeouts", e
+        except OversizeFrame as e:
+            counter, why = "oversize_frames", e
+        except FrameError as e:
+            counter, why = "malformed_frames", e
+        except ReplicationError as e:
+            counter, why = "handshakes_abandoned", e
+        except KvdbError as e:  # building the WELCOME failed (the Db closed meanwhile)
+            counter, why = "errors", e
+        except BaseException:
+            with self._lock:
+                self._handshaking -= 1
+                self._pending.discard(conn)
+            conn.close()
+            raise
+        with self._lock:
+            self._handshaking -= 1
+            self._pending.discard(conn)
+            if counter is None:
+                self._channels.add(ch)
+                self.counters["connections"] += 1
+                return ch
+        conn.close()
+        if not self._stopping:
+            self._refused(counter, peer, why)
+        return None
 
     # ------------------------------------------------------------------ one connection
 
     def welcome(self) -> dict:
-        lay = self.db.layout
+        """The WELCOME an authenticated peer gets: this node, its transport, layout and namespace."""
+        db = self.db
+        lay = db.layout
         return {"node": self.node, "transport": self.transport.descriptor(),
                 "layout": {**lay.to_dict(), "page_bytes": lay.page_bytes},
-                "model_id": getattr(self.db, "model_id", None), "frames": self._frames_ok}
+                "model_id": getattr(db, "model_id", None), "namespace": namespace_of(db), "frames": self._frames_ok}
 
     def _serve_conn(self, conn: socket.socket, peer: str) -> None:
-        try:
-            ch = accept(conn, peer, self.secret, self.welcome())
-        except AuthError as e:
-            self._count("auth_failures")
-            log.warning("refused %s: %s", peer, e)
+        ch = self._handshake(conn, peer)
+        if ch is None:
             return
-        except ReplicationError as e:
-            log.warning("handshake with %s failed: %s", peer, e)
-            conn.close()
-            return
-        self._count("connections")
-        with self._lock:
-            self._channels.add(ch)
         state = _ConnState()
         try:
             while not ch.closed:
@@ -229,6 +339,8 @@ class NodeServer:
                 except ReplicationError as e:
                     if not self._stopping and "corrupted" in str(e):
                         self._count("corrupt_frames")
+                        if isinstance(e, OversizeFrame):
+                            self._count("oversize_frames")
                         log.warning("%s", e)
                     return
                 try:
@@ -473,15 +585,23 @@ class NodeServer:
         else:
             ch.send(MsgType.LOOKUP_REPLY, {"hits": hits, "page_bytes": page}, [rows.numpy()])
 
-    def status(self) -> dict:
+    def endpoint_status(self) -> dict:
+        """The listener's side of status(): counters, open connections, limits."""
         with self._lock:
             counters = dict(self.counters)
-        out = {"node": self.node, "address": self.address, "transport": self.transport.descriptor(),
-               "counters": counters}
+            open_now = {"serving": len(self._channels), "handshaking": self._handshaking}
+        return {"address": self.address, "counters": counters, "connections_open": open_now,
+                "limits": {"max_connections": self.max_connections, "max_handshakes": self.max_handshakes,
+                           "handshake_timeout_s": self.handshake_timeout_s, "preauth_max_bytes": PREAUTH_MAX_BYTES}}
+
+    def status(self) -> dict:
+        out = {"node": self.node, "transport": self.transport.descriptor(), **self.endpoint_status()}
         if self.sink is not None:
             out["follower"] = self.sink.status()
         if self.leader_status is not None:
             out["followers"] = self.leader_status()
+        if self.replicator is not None:
+            out["replicator"] = self.replicator.counters_snapshot()
         try:
             out["db"] = self.db.stats()
         except KvdbError as e:

@@ -25,8 +25,14 @@ Worked example: a PING (type 40) with meta ``{}`` and no blob as the first frame
 handshake is the 28-byte header ``4b565250 01 28 0000 0000000000000000 02000000
 0000000000000000``, then ``7b7d`` (``{}``), then the 32-byte tag.
 
-Limits (a corrupt length must not make a node allocate gigabytes): meta at most 4 MiB, blob at
-most ``MAX_BLOB_BYTES`` (1 GiB). A frame over either limit is rejected as corrupt.
+Limits (a corrupt or hostile length must not make a node allocate gigabytes): meta at most
+4 MiB, blob at most ``MAX_BLOB_BYTES`` (1 GiB) from an authenticated peer. Before the peer is
+authenticated everything read from it -- every frame of the handshake, headers and tags included
+-- fits in ``PREAUTH_MAX_BYTES`` (64 KiB; a handshake takes about 400 bytes), and the JSON of
+each of those frames in ``PREAUTH_MAX_META_BYTES`` (4 KiB: parsing JSON builds objects several
+times its size, so this bounds that too). A frame whose
+header declares more than the receiver accepts is refused from its 28 bytes (``OversizeFrame``),
+before anything of its body is read or allocated, and the connection is closed.
 """
 
 from __future__ import annotations
@@ -47,6 +53,8 @@ HEADER_BYTES = HEADER.size  # 28
 TAG_BYTES = 32
 MAX_META_BYTES = 4 << 20
 MAX_BLOB_BYTES = 1 << 30
+PREAUTH_MAX_BYTES = 64 << 10  # everything read from a peer before it proved the secret
+PREAUTH_MAX_META_BYTES = 4 << 10  # one handshake frame's JSON (bounds what parsing it may build)
 HANDSHAKE_KEY = b"kvdb-replication-handshake-v1"
 
 
@@ -97,6 +105,17 @@ class ErrorCode(enum.IntEnum):
     CORRUPT = 4  # a frame or a block failed its check
     INTERNAL = 5  # the server failed while serving the request (the message says why)
     INVALID = 6  # the request was well formed but not acceptable (wrong layout, too large)
+    BUSY = 7  # sent before the handshake: the node is at its connection cap; try again later
+
+
+class FrameError(ReplicationError):
+    """A frame failed a check: magic, version, flags, type, lengths, JSON, tag or sequence
+    number, or it is not the message the protocol expects at this point."""
+
+
+class OversizeFrame(FrameError):
+    """A frame's header declared more bytes than the receiver accepts (its limits, or the
+    pre-authentication cap); refused before its body is read."""
 
 
 @dataclass
@@ -124,26 +143,33 @@ def compute_tag(key: bytes, header: bytes, meta: bytes, blobs) -> bytes:
     return mac.digest()
 
 
-def decode_header(raw: bytes) -> tuple[int, int, int, int]:
-    """Check a 28-byte header and return (type, seq, meta_bytes, blob_bytes)."""
+def decode_header(raw: bytes, max_body: int | None = None) -> tuple[int, int, int, int]:
+    """Check a 28-byte header and return (type, seq, meta_bytes, blob_bytes). ``max_body``:
+    the most meta + blob bytes the receiver takes now, before the peer is authenticated (what
+    is left of ``PREAUTH_MAX_BYTES``; the meta then at most ``PREAUTH_MAX_META_BYTES``); None:
+    the protocol's limits only. Nothing here allocates more than the header."""
     magic, version, mtype, flags, seq, meta_bytes, blob_bytes = HEADER.unpack(raw)
     if magic != MAGIC:
-        raise ReplicationError(
-            f"corrupted message: bad magic {magic!r} (expected {MAGIC!r}); is the peer a kvdb node?"
-        )
+        raise FrameError(f"corrupted message: bad magic {magic!r} (expected {MAGIC!r}); is the peer a kvdb node?")
     if version != PROTOCOL_VERSION:
-        raise ReplicationError(
+        raise FrameError(
             f"peer speaks replication protocol version {version}, this node speaks "
             f"{PROTOCOL_VERSION}; run the same kvdb version on both nodes"
         )
     if flags != 0:
-        raise ReplicationError(f"corrupted message: reserved flags 0x{flags:04x} are set")
+        raise FrameError(f"corrupted message: reserved flags 0x{flags:04x} are set")
     if mtype not in MsgType._value2member_map_:
-        raise ReplicationError(f"corrupted message: unknown message type {mtype}")
+        raise FrameError(f"corrupted message: unknown message type {mtype}")
     if meta_bytes > MAX_META_BYTES or blob_bytes > MAX_BLOB_BYTES:
-        raise ReplicationError(
+        raise OversizeFrame(
             f"corrupted message: lengths meta={meta_bytes} blob={blob_bytes} exceed the limits "
             f"({MAX_META_BYTES}, {MAX_BLOB_BYTES})"
+        )
+    if max_body is not None and (meta_bytes + blob_bytes > max_body or meta_bytes > PREAUTH_MAX_META_BYTES):
+        raise OversizeFrame(
+            f"oversize message before authentication: lengths meta={meta_bytes} blob={blob_bytes} exceed the "
+            f"limits of an unauthenticated peer ({PREAUTH_MAX_BYTES} bytes in all, {max(max_body, 0)} left; meta "
+            f"at most {PREAUTH_MAX_META_BYTES})"
         )
     return mtype, seq, meta_bytes, blob_bytes
 
@@ -151,8 +177,8 @@ def decode_header(raw: bytes) -> tuple[int, int, int, int]:
 def decode_meta(raw) -> dict:
     try:
         meta = json.loads(bytes(raw).decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ReplicationError(f"corrupted message: metadata is not JSON ({e})") from None
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:  # ValueError: bad JSON, an int over 4300 digits
+        raise FrameError(f"corrupted message: metadata is not JSON ({type(e).__name__}: {e})") from None
     if not isinstance(meta, dict):
-        raise ReplicationError("corrupted message: metadata is not a JSON object")
+        raise FrameError("corrupted message: metadata is not a JSON object")
     return meta

@@ -11,20 +11,58 @@ A Db opened with ``peers=`` / ``replicas=`` owns one Replicator and forwards to 
 It uses only the Db's public API; ``log_source_for`` reads the log through ``db.cold_store``
 (its directory and durable lsn), and the replication slots become the cold tier's retention
 floor, so compaction keeps what a follower still needs.
+
+Peers that refuse this node (``counters``, in ``status()`` and the Db's ``stats()["replication"]``):
+a peer or follower that fails authentication (another secret) is counted in ``auth_failures``
+(also per peer: ``status()["peer_errors"]``) and logged once per peer until it authenticates
+again; ``push`` and ``sync_replicas`` raise ``AuthError``, a lookup (``fetch_missing``) counts it
+as a miss. Connections a peer refused at its cap (``rejected_connections``), handshakes past the
+deadline (``handshake_timeouts``), oversize or malformed handshake frames (``oversize_frames``,
+``malformed_frames``) and peers of another namespace (``namespace_refusals``: no block is pushed
+to or fetched from them) are counted the same way.
 """
 
 from __future__ import annotations
 
+import logging
 import socket
 import threading
 
 from kvdb.cold.export import key_check
-from kvdb.errors import InvalidInput, KvdbError, ReplicationError
-from kvdb.replication.channel import load_secret
+from kvdb.errors import AuthError, InvalidInput, KvdbError, ReplicationError
+from kvdb.replication.channel import HandshakeTimeout, RemoteError, load_secret
+from kvdb.replication.namespace import mismatch, namespace_of
 from kvdb.replication.peer import Peer, PushResult
+from kvdb.replication.protocol import ErrorCode, FrameError, OversizeFrame
 from kvdb.replication.shipping import LogShipper, retained_lsn
 from kvdb.replication.transport import Transport
 from kvdb.wal.source import SegmentLogSource
+
+log = logging.getLogger("kvdb.replication")
+
+COUNTERS = ("auth_failures", "rejected_connections", "handshake_timeouts", "oversize_frames", "malformed_frames",
+            "namespace_refusals")
+
+
+class NamespaceError(ReplicationError):
+    """The peer holds blocks of another namespace (namespace.py); nothing was sent or fetched."""
+
+
+def _counter_of(e: BaseException) -> str | None:
+    """The counter a failed connection to a peer goes to (None: the peer is down or went away)."""
+    if isinstance(e, AuthError):
+        return "auth_failures"
+    if isinstance(e, NamespaceError):
+        return "namespace_refusals"
+    if isinstance(e, HandshakeTimeout):
+        return "handshake_timeouts"
+    if isinstance(e, OversizeFrame):
+        return "oversize_frames"
+    if isinstance(e, FrameError):
+        return "malformed_frames"
+    if isinstance(e, RemoteError) and e.code == ErrorCode.BUSY:
+        return "rejected_connections"
+    return None
 
 
 def log_source_for(db) -> SegmentLogSource:
@@ -43,8 +81,13 @@ class Replicator:
         self.transport = transport
         self.node = node or f"{socket.gethostname()}:{db.path}"
         self.peer_addrs = list(peers)
-        self._lock = threading.Lock()  # guards _peers
+        self.namespace = namespace_of(db)
+        self._lock = threading.Lock()  # guards _peers, counters, _peer_errors, _warned, servers
         self._peers: dict[str, tuple[threading.Lock, Peer]] = {}
+        self.counters = dict.fromkeys(COUNTERS, 0)
+        self._peer_errors: dict[str, dict] = {}  # addr -> {counter: n, "last_error": str}
+        self._warned: set[str] = set()  # peers whose refusal was logged (until they answer again)
+        self.servers: list = []  # NodeServers serving this Db (node.py registers them): their counters in status()
         self.shipper: LogShipper | None = None
         if replicas:
             state_dir = db.path / "replication"
@@ -55,7 +98,8 @@ class Replicator:
             self.shipper = LogShipper(log_source, list(replicas), self.secret,
                                       state_dir=db.path / "replication", node=self.node,
                                       transport=transport, page_bytes=db.layout.page_bytes,
-                                      store=db.cold_store, seal_check=key_check(db.cold_store)).start()
+                                      store=db.cold_store, seal_check=key_check(db.cold_store),
+                                      namespace=self.namespace).start()
 
     # ------------------------------------------------------------------ peers
 
@@ -64,19 +108,46 @@ class Replicator:
             entry = self._peers.get(addr)
             if entry is not None and not entry[1].channel.closed:
                 return entry
-        peer = Peer(addr, secret=self.secret, transport=self.transport, node=self.node)
+        try:
+            peer = Peer(addr, secret=self.secret, transport=self.transport, node=self.node)
+        except ReplicationError as e:
+            self._failed(addr, e)
+            raise
+        why = mismatch(self.namespace, peer.channel.peer_meta.get("namespace"), us="this Db", them=f"peer {addr}")
+        if why is not None:
+            peer.close()
+            e = NamespaceError(f"{why}; no block is pushed to or fetched from it")
+            self._failed(addr, e)
+            raise e
         with self._lock:
             entry = (threading.Lock(), peer)
             self._peers[addr] = entry
+            self._warned.discard(addr)  # it answers again: a later refusal is logged again
         return entry
+
+    def _failed(self, addr: str, e: ReplicationError) -> None:
+        """Count a peer's refusal (see the module doc); log it once per peer."""
+        counter = _counter_of(e)
+        if counter is None:
+            return
+        with self._lock:
+            self.counters[counter] += 1
+            per = self._peer_errors.setdefault(addr, {})
+            per[counter] = per.get(counter, 0) + 1
+            per["last_error"] = str(e)
+            first = addr not in self._warned
+            self._warned.add(addr)
+        if first:
+            log.warning("replication peer %s: %s (%s; logged once until it answers again)", addr, e, counter)
 
     def _call(self, addr: str, fn):
         lock, peer = self._peer(addr)
         with lock:
             try:
                 return fn(peer)
-            except ReplicationError:
+            except ReplicationError as e:
                 peer.close()  # the next call reconnects
+                self._failed(addr, e)
                 raise
 
     # ------------------------------------------------------------------ the Db's calls
@@ -134,9 +205,35 @@ class Replicator:
             raise InvalidInput("this Db ships its log to no follower (open it with replicas=)")
         self.shipper.reseed(addr)
 
+    def counters_snapshot(self) -> dict:
+        """This node's refusals by its peers and followers (COUNTERS, summed over both), and the
+        streams its followers refused."""
+        with self._lock:
+            out = dict(self.counters)
+        ship = self.shipper.counters() if self.shipper is not None else {}
+        out["auth_failures"] += ship.get("auth_failures", 0)
+        out["refused_streams"] = ship.get("refused_streams", 0)
+        return out
+
     def status(self) -> dict:
-        return {"node": self.node, "peers": list(self.peer_addrs),
-                "followers": self.shipper.status() if self.shipper is not None else []}
+        with self._lock:
+            peer_errors = {a: dict(v) for a, v in self._peer_errors.items()}
+            servers = list(self.servers)
+        out = {"node": self.node, "namespace": self.namespace, "peers": list(self.peer_addrs),
+               "followers": self.shipper.status() if self.shipper is not None else [],
+               "counters": self.counters_snapshot(), "peer_errors": peer_errors}
+        if servers:  # NodeServers serving this Db: what unauthenticated and authenticated peers did there
+            out["servers"] = [srv.endpoint_status() for srv in servers]
+        return out
+
+    def add_server(self, server) -> None:
+        with self._lock:
+            self.servers.append(server)
+
+    def remove_server(self, server) -> None:
+        with self._lock:
+            if server in self.servers:
+                self.servers.remove(server)
 
     def close(self) -> None:
         if self.shipper is not None:

@@ -7,7 +7,7 @@ the follower checks every record's own crc before applying it, whatever carried 
 Stream on one authenticated channel (leader connects to each follower)::
 
     leader                                         follower (NodeServer with a LogSink)
-      SHIP_HELLO {leader, durable_lsn, page_bytes, region_bytes, log_id, seal_check}  ->
+      SHIP_HELLO {leader, durable_lsn, page_bytes, region_bytes, log_id, seal_check, namespace}  ->
                                                    <- SHIP_POSITION {applied_lsn, log_id, region?, reseed}
       [RESEED_BEGIN ... RESEED_END: a full copy, when the follower is behind the log (reseed.py)]
       SHIP_RECORDS {first_lsn, last_lsn, bytes, inline|offset} [+ records]  ->
@@ -21,7 +21,12 @@ Leader follower-thread states::
         |   └--behind the log, or reseed() asked--> reseeding --copy swapped in--> streaming
         ^                                                                      |
         └----------------------------- backoff (0.1 s .. 1 s) -----------------┘
-    AuthError -> auth_failed (retried with the longest backoff);
+    AuthError -> auth_failed; the follower refused the stream (ERROR{INVALID}: another
+    namespace -- model, revision, layout, dtype, key algorithm, rank --, no key for an encrypted
+    log, not a follower) -> refused. Both are retried with the longest backoff and keep their
+    state and reason until a stream starts; ``sync`` raises at once while a follower it waits
+    for is in either (AuthError for auth_failed), with the follower's own reason, instead of
+    running into its timeout. Each is logged once per follower and reason.
     another leader's log, or ahead of this log (and no reseed() asked), or behind the log but
     not re-seedable (memory-only) -> needs_reseed (stops retrying until reseed()).
 
@@ -37,6 +42,8 @@ Invariants:
       ``retained_lsn(state_dir)`` is the lowest one: compaction must keep every record above it.
   S5. Lsns are only compared within one log: the leader's ``log_id`` travels in SHIP_HELLO and is
       stored with the follower's position; a follower of another log is never streamed to.
+  S6. A follower applies nothing of a leader of another namespace (namespace.py): the leader's
+      namespace travels in SHIP_HELLO and the follower refuses the stream before SHIP_POSITION.
 """
 
 from __future__ import annotations
@@ -62,8 +69,8 @@ from kvdb.errors import (
     ReplicationError,
 )
 from kvdb.fs import write_file_atomic
-from kvdb.replication.channel import Channel, connect
-from kvdb.replication.protocol import MsgType
+from kvdb.replication.channel import Channel, RemoteError, connect
+from kvdb.replication.protocol import ErrorCode, MsgType
 from kvdb.replication.reseed import snapshot_batches
 from kvdb.replication.transport import Transport, get_transport
 
@@ -139,8 +146,8 @@ class LogSource(Protocol):
 
 
 class _Follower:
-    __slots__ = ("addr", "channel", "confirmed_lsn", "connects", "error", "reseed", "reseed_asked", "reseeds",
-                 "sent_lsn", "state", "thread")
+    __slots__ = ("addr", "auth_failures", "blocked", "channel", "confirmed_lsn", "connects", "error", "refusals",
+                 "reseed", "reseed_asked", "reseeds", "sent_lsn", "state", "thread")
 
     def __init__(self, addr: str, confirmed: int) -> None:
         self.addr = addr
@@ -154,6 +161,11 @@ class _Follower:
         self.reseed: dict | None = None  # progress of a re-seed being sent (reseed.py)
         self.reseed_asked = False  # LogShipper.reseed(): re-seed at the next connection whatever its position
         self.reseeds = 0
+        # why this follower cannot be streamed to until it is reconfigured: ("auth_failed" |
+        # "refused", reason); kept across retries, cleared when a stream starts
+        self.blocked: tuple[str, str] | None = None
+        self.auth_failures = 0  # handshakes it refused for this leader's secret
+        self.refusals = 0  # streams it refused (ERROR{INVALID})
 
 
 class LogShipper:
@@ -161,8 +173,10 @@ class LogShipper:
 
     def __init__(self, source: LogSource, replicas, secret: bytes, *, state_dir=None, node: str = "",
                  transport: Transport | str | None = None, batch_bytes: int = DEFAULT_BATCH_BYTES,
-                 page_bytes: int | None = None, store=None, seal_check: bytes | None = None) -> None:
+                 page_bytes: int | None = None, store=None, seal_check: bytes | None = None,
+                 namespace: dict | None = None) -> None:
         self.source = source
+        self.namespace = namespace  # the leader Db's namespace (namespace.py; None: a bare log, not checked)
         self.store = store  # the leader's ColdStore: re-seed snapshots (None: followers are not re-seeded)
         self.seal_check = seal_check  # the log's encryption key check (None: not encrypted)
         self.secret = secret
@@ -235,10 +249,16 @@ class LogShipper:
                 if not lagging:
                     return target
                 left = deadline - time.monotonic()
-                if left <= 0 or self._stopping:
+                blocked = [f for f in lagging if f.blocked is not None]
+                if left <= 0 or self._stopping or blocked:
                     desc = ", ".join(f"{f.addr} at {f.confirmed_lsn} ({f.state}{': ' + f.error if f.error else ''})"
                                      for f in lagging)
-                    raise ReplicationError(f"followers have not confirmed lsn {target} within {timeout_s} s: {desc}")
+                    if not blocked:
+                        raise ReplicationError(f"followers have not confirmed lsn {target} within {timeout_s} s: "
+                                               f"{desc}")
+                    # the follower said why it will not confirm: waiting out the timeout changes nothing
+                    err = AuthError if any(f.blocked[0] == "auth_failed" for f in blocked) else ReplicationError
+                    raise err(f"followers cannot confirm lsn {target}: {desc}")
                 self._cond.wait(min(left, 0.1))
 
     def status(self) -> list[dict]:
@@ -246,8 +266,15 @@ class LogShipper:
         with self._cond:
             return [{"addr": f.addr, "state": f.state, "confirmed_lsn": f.confirmed_lsn,
                      "lag_records": max(0, last - f.confirmed_lsn), "error": f.error, "connects": f.connects,
-                     "reseed": dict(f.reseed) if f.reseed else None, "reseeds": f.reseeds}
+                     "reseed": dict(f.reseed) if f.reseed else None, "reseeds": f.reseeds,
+                     "auth_failures": f.auth_failures, "refusals": f.refusals}
                     for f in self.followers]
+
+    def counters(self) -> dict:
+        """Summed over the followers: handshakes refused for this leader's secret, streams refused."""
+        with self._cond:
+            return {"auth_failures": sum(f.auth_failures for f in self.followers),
+                    "refused_streams": sum(f.refusals for f in self.followers)}
 
     def reseed(self, addr: str) -> None:
         """Re-seed follower ``addr`` at its next connection (now: its stream is restarted), also
@@ -284,6 +311,20 @@ class LogShipper:
                 setattr(f, k, v)
             self._cond.notify_all()
 
+    def _block(self, f: _Follower, state: str, e: Exception) -> None:
+        """The follower will not take this stream until it is reconfigured (see the module doc)."""
+        why = str(e)
+        with self._cond:
+            again = f.blocked == (state, why)
+            f.blocked, f.state, f.error = (state, why), state, why
+            if state == "auth_failed":
+                f.auth_failures += 1
+            else:
+                f.refusals += 1
+            self._cond.notify_all()
+        if not again:  # once per follower and reason, not once per retry
+            log.error("log stream to follower %s: %s (%s; retried every second)", f.addr, why, state)
+
     def _run(self, f: _Follower) -> None:
         backoff = 0.1
         while not self._stopping:
@@ -291,10 +332,17 @@ class LogShipper:
             try:
                 self._stream(f)
             except AuthError as e:
-                self._set(f, state="auth_failed", error=str(e))
+                self._block(f, "auth_failed", e)
                 backoff = 1.0
+            except RemoteError as e:
+                if e.code == ErrorCode.INVALID:
+                    self._block(f, "refused", e)
+                    backoff = 1.0
+                else:
+                    self._set(f, state="disconnected", error=str(e))
+                    log.info("log stream to %s: %s", f.addr, e)
             except _Reseed as e:
-                self._set(f, state="needs_reseed", error=str(e))
+                self._set(f, state="needs_reseed", error=str(e), blocked=None)
                 log.error("%s", e)
                 with self._cond:  # parked until reseed() is asked for, or the shipper stops
                     while not (self._stopping or f.reseed_asked):
@@ -312,7 +360,8 @@ class LogShipper:
         self._set(f, state="stopped")
 
     def _stream(self, f: _Follower) -> None:
-        self._set(f, state="connecting")
+        if f.blocked is None:  # a blocked follower keeps its state and reason until a stream starts
+            self._set(f, state="connecting")
         ch = connect(f.addr, self.secret, node=self.node, timeout_s=30)
         self._set(f, channel=ch)
         try:
@@ -322,6 +371,7 @@ class LogShipper:
             ch.send(MsgType.SHIP_HELLO, {"leader": self.node, "durable_lsn": self.source.durable_lsn(),
                                          "page_bytes": self.page_bytes, "log_id": self.log_id,
                                          "seal_check": self.seal_check.hex() if self.seal_check else None,
+                                         "namespace": self.namespace,
                                          "region_bytes": 2 * self.batch_bytes if engine else 0})
             pos = ch.expect(MsgType.SHIP_POSITION).meta
             applied = int(pos.get("applied_lsn", 0))
@@ -343,7 +393,7 @@ class LogShipper:
                                          "kvdb replicate serve); copy the leader's data directory to it"))
                     applied = self._send_snapshot(f, ch, transport, region, bufs)
                 self._set(f, state="streaming", confirmed_lsn=applied, sent_lsn=applied, error=None,
-                          connects=f.connects + 1)
+                          connects=f.connects + 1, blocked=None)
                 self._save_slots(force=True)
                 self._pump(f, ch, transport, region, bufs)
             finally:
@@ -372,7 +422,7 @@ class LogShipper:
         snap = Snapshot.take(self.store)
         total = len(snap.keys) + len(snap.metadata)
         progress = {"snapshot_lsn": snap.lsn, "records_total": total, "records_sent": 0, "records_confirmed": 0}
-        self._set(f, state="reseeding", reseed=progress, error=None)
+        self._set(f, state="reseeding", reseed=progress, error=None, blocked=None)
         self._save_slots(force=True)  # RS3: its old slot (<= snap.lsn) holds the log after snap.lsn
         log.info("re-seeding follower %s from a copy as of lsn %d (%d records)", f.addr, snap.lsn, total)
         ch.send(MsgType.RESEED_BEGIN, {"snapshot_lsn": snap.lsn, "log_id": self.log_id, "records": total})

@@ -8,6 +8,12 @@ Applies every record type the leader logs, in lsn order, through the Db's public
                          by compaction see the leader's entries); counted as ``metadata``
     CHECKPOINT           nothing (the follower checkpoints its own log); counted as ``skipped``
 
+A follower takes a stream only from a leader of its own namespace (namespace.py: model, revision,
+layout and dtype, key algorithm, tensor / pipeline rank): the leader's travels in SHIP_HELLO, and
+one of another namespace is refused with ERROR{INVALID} naming the fields that differ, before
+any record (shipping.py S6); the leader then reports that reason (state ``refused``). A leader
+that sends no namespace (a bare log directory) is held to this follower's page size.
+
 A batch is decoded and checked whole (every crc, body, sealed payload) before anything of it is
 applied, so a batch refused for damage or a wrong key leaves nothing half-applied.
 
@@ -26,6 +32,7 @@ sink refuses re-seeds and the leader marks it ``needs_reseed``.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from pathlib import Path
@@ -47,10 +54,13 @@ from kvdb.format.record import (
 )
 from kvdb.fs import write_file_atomic
 from kvdb.replication.channel import Channel
+from kvdb.replication.namespace import mismatch, namespace_of
 from kvdb.replication.protocol import ErrorCode, Message, MsgType
 from kvdb.replication.reseed import Staging, finish_swap
 from kvdb.replication.shipping import APPLIED_NAME
 from kvdb.replication.transport import Region
+
+log = logging.getLogger("kvdb.replication")
 
 META_KINDS = {RecordType.SESSION: "session", RecordType.TTL: "ttl", RecordType.LEASE: "lease"}
 
@@ -69,7 +79,7 @@ class LogSink:
         self._pos_seq, self._pos_whole = 0, True  # the position file's last slot write; rewrite it whole
         self._applied = self._load_applied() if durable else 0
         self.counters = {"records": 0, "puts": 0, "deletes": 0, "metadata": 0, "duplicates": 0, "skipped": 0,
-                         "batches": 0, "reseeds": 0}
+                         "batches": 0, "reseeds": 0, "refused_streams": 0}
         self.leader: str | None = None
         self.staging: Staging | None = None  # the copy being received (reseed.py)
         self.last_reseed: dict | None = None
@@ -236,7 +246,14 @@ class LogSink:
     def serve_stream(self, ch: Channel, hello: Message, open_region, release_region) -> None:
         """Run one leader's stream on an accepted connection until it closes; ``open_region(n)``
         / ``release_region(r)`` lend landing memory (the node's pool)."""
-        self.leader = str(hello.meta.get("leader") or ch.peer_node)
+        self.leader = str(hello.meta.get("leader") or ch.peer_node)[:256]
+        why = self._refusal(hello.meta)
+        if why is not None:
+            with self._lock:
+                self.counters["refused_streams"] += 1
+            log.warning("refused the log stream of leader %s: %s", self.leader, why)
+            ch.send_error(ErrorCode.INVALID, f"{why}; nothing was applied")
+            return
         want = int(hello.meta.get("region_bytes") or 0)
         leader_log = hello.meta.get("log_id")
         seal_check = hello.meta.get("seal_check")
@@ -265,6 +282,17 @@ class LogSink:
                 self._drop_staging()
             if region is not None:
                 release_region(region)
+
+    def _refusal(self, hello: dict) -> str | None:
+        """Why this follower refuses the stream SHIP_HELLO announces (S6), or None."""
+        theirs = hello.get("namespace")
+        if theirs is not None:
+            return mismatch(namespace_of(self.db), theirs, us="this follower", them=f"leader {self.leader}")
+        page, theirs_page = self.db.layout.page_bytes, hello.get("page_bytes")
+        if theirs_page is not None and theirs_page != page:
+            return (f"leader {self.leader} ships {theirs_page}-byte pages; this follower stores {page}-byte pages "
+                    f"({self.db.layout})")
+        return None
 
     def _landed(self, ch: Channel, msg: Message, region: Region | None):
         """The bytes of a SHIP_RECORDS message (inline, or in the landing region); None: refused."""

@@ -1,0 +1,65 @@
+"""What makes one node's blocks usable by another: the namespace a Db's keys and pages belong to.
+
+Two Dbs may exchange blocks (a log stream, a push, a lookup) only when they hold KV of the same
+model, revision, layout (dtype included), key algorithm and tensor / pipeline rank: otherwise a
+follower would store pages its engine would misread, under keys its own lookups never compute.
+Every node describes its Db with ``namespace_of(db)``: the fields below, from the Db and its
+MANIFEST.json, and ``digest``, the Db's public key namespace (kvdb/keys.py, the same 16 bytes
+every key chain starts from, for tenants before their salt). ``mismatch(ours, theirs)`` names
+the fields that differ, or None.
+
+A leader sends its namespace in SHIP_HELLO and a follower of another namespace refuses the
+stream with ERROR{INVALID} naming the fields (sink.py); a node sends its own in WELCOME, so a Db
+pushing to or looking up on a peer of another namespace refuses before a block moves
+(replicator.py). The key *secret* (the tenant salts) is not compared here yet: nodes created
+separately hold different ones, and sharing one per cluster is a separate step.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kvdb.errors import KvdbError
+from kvdb.format.manifest import read_manifest
+
+#: compared in this order; each is named in a refusal
+FIELDS = ("model_id", "model_revision", "layout", "key_algo", "tp_rank", "tp_size", "pp_rank", "pp_size")
+
+
+def namespace_of(db) -> dict:
+    """The namespace of ``db``'s blocks (see the module doc); plain JSON values."""
+    try:
+        manifest = read_manifest(Path(db.path)) or {}
+    except KvdbError:
+        manifest = {}
+    keyspace = getattr(db, "keyspace", None)
+    ns = {name: manifest.get(name) for name in FIELDS}
+    ns["model_id"] = db.model_id
+    ns["layout"] = db.layout.to_dict()
+    ns["key_algo"] = getattr(keyspace, "algo", None) or manifest.get("key_algo") or "sha256"
+    public = getattr(keyspace, "public_namespace", None)
+    ns["digest"] = public.hex() if isinstance(public, bytes) else None
+    return ns
+
+
+def mismatch(ours: dict, theirs, *, us: str = "this node", them: str = "the peer") -> str | None:
+    """None when ``theirs`` describes the same namespace as ``ours``; else which fields differ,
+    in words. A peer that sent no namespace (``theirs`` None) is not judged here."""
+    if theirs is None:
+        return None
+    if not isinstance(theirs, dict):
+        return f"{them} sent a malformed namespace"
+    diffs = []
+    for name in FIELDS:
+        a, b = ours.get(name), theirs.get(name)
+        if name == "layout" and isinstance(a, dict) and isinstance(b, dict):
+            sub = [f"{k} {b.get(k)!r} vs {a.get(k)!r}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+            if sub:
+                diffs.append("layout (" + ", ".join(sub) + ")")
+        elif a != b:
+            diffs.append(f"{name} {b!r} vs {a!r}")
+    if not diffs and ours.get("digest") and theirs.get("digest") and ours["digest"] != theirs["digest"]:
+        diffs.append(f"key namespace {theirs['digest']} vs {ours['digest']}")
+    if not diffs:
+        return None
+    return f"{them} holds another namespace than {us}: " + "; ".join(diffs) + f" ({them} vs {us})"
