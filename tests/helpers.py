@@ -48,9 +48,12 @@ def blocks_for(n: int, seed: int = 0, layout: BlockLayout = LAYOUT) -> torch.Ten
 def open_db(path, clock=None, *, host_pages: int = 8, device_pages: int = 0, layout: BlockLayout = LAYOUT,
             model_id: str = "test-model", disk_bytes: int | None = 0, **kw) -> kvdb.Db:
     """``kvdb.open`` with tiers sized in pages of ``layout``; no disk tier unless ``disk_bytes``
-    says so (None: unbounded). Other keywords go to ``kvdb.open``."""
+    says so (None: unbounded); without CUDA the device tier is in CPU memory (``device="cpu"``).
+    Other keywords go to ``kvdb.open``."""
     if clock is not None:
         kw["clock"] = clock
+    if device_pages and not torch.cuda.is_available():  # without CUDA, ask for it in CPU memory
+        kw.setdefault("device", "cpu")
     return kvdb.open(path, layout=layout, model_id=model_id, host_bytes=host_pages * layout.page_bytes,
                      device_bytes=device_pages * layout.page_bytes, disk_bytes=disk_bytes, **kw)
 

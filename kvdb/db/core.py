@@ -54,6 +54,7 @@ from kvdb.db.mover import Mover
 from kvdb.db.moves import MovesMixin
 from kvdb.db.open import (
     check_options,
+    check_sizes,
     drop_lock,
     finish_swap_locked,
     open_cold,
@@ -95,8 +96,8 @@ class Db(WriteMixin, ReadMixin, MovesMixin, LandingMixin, PlansMixin, AttachedMi
         *,
         layout: BlockLayout | None = None,
         model_id: str | None = None,
-        host_bytes: int = 1 << 30,
-        device_bytes: int = 0,
+        host_bytes: int | str = 1 << 30,
+        device_bytes: int | str = 0,
         device: str | torch.device | None = None,
         replacer: str | Callable[[int], Replacer] = "lru",
         key_secret: bytes | None = None,
@@ -107,7 +108,7 @@ class Db(WriteMixin, ReadMixin, MovesMixin, LandingMixin, PlansMixin, AttachedMi
         pp_rank: int | None = None,
         pp_size: int | None = None,
         durability: str = "none",
-        disk_bytes: int | None = None,
+        disk_bytes: int | str | None = None,
         codec: str = "raw",
         encryption_key_file: str | os.PathLike | None = None,
         device_free_fraction: float = 0.0,
@@ -125,6 +126,7 @@ class Db(WriteMixin, ReadMixin, MovesMixin, LandingMixin, PlansMixin, AttachedMi
         self._lock_fd: int | None = None
         self._init_attached()
         self._prompts = PromptBook()  # rendered prompts: break accounting, near matches (kvdb/prompts/book.py)
+        host_bytes, device_bytes, disk_bytes = check_sizes(host_bytes, device_bytes, disk_bytes)  # "4GiB" or ints
         # the disk tier compacts on its own past this space amplification (kvdb/cold/store.py)
         self._max_space_amp = check_options(durability, host_bytes, device_bytes, session_idle_s, max_space_amp)
         # a session idle this long is ended by the mover (kvdb/db/plans/expiry.py S1-S3)
@@ -162,7 +164,7 @@ class Db(WriteMixin, ReadMixin, MovesMixin, LandingMixin, PlansMixin, AttachedMi
             raise CapacityError(f"host_bytes={host_bytes} holds no page of {page} bytes; give at least {page}")
         if device_bytes and device_frames < 1:
             raise CapacityError(f"device_bytes={device_bytes} holds no page of {page} bytes; give 0 or at least {page}")
-        dev = pick_device(device) if device_frames else None
+        dev = pick_device(device, device_bytes) if device_frames else None
         factory = replacer_factory(replacer)
         self.pool = BufferPool(self.layout, host_frames=host_frames, device_frames=device_frames, device=dev,
                                make_replacer=factory, spill=self._spill)
@@ -335,7 +337,6 @@ class Db(WriteMixin, ReadMixin, MovesMixin, LandingMixin, PlansMixin, AttachedMi
                 out["tiers"]["disk"] = disk
             out["lookup_misses"] = self._lookup_misses
             out["remote_hits"] = self._remote_hits
-            out.update(self._attached_stats())
             out["sessions"] = self.planner.num_sessions
             out["hints"] = dict(self.planner.outcome_counts)
             out["plans"] = self._plans_stats()

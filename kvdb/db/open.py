@@ -45,6 +45,7 @@ from kvdb.format.manifest import read_manifest, write_manifest
 from kvdb.format.swap import APPLIED_NAME, ASIDE_DIR, MOVED, REPLICATION_DIR, STAGING_DIR, SWAP_MARKER
 from kvdb.fs import OsFs, write_file_atomic
 from kvdb.keys import KeySpace
+from kvdb.sizes import parse_size
 from kvdb.planner import make_policy
 from kvdb.planner.policies import REPLAY_ONLY
 from kvdb.types import DURABILITIES
@@ -188,12 +189,31 @@ def check_options(durability: str, host_bytes, device_bytes, session_idle_s, max
         raise InvalidInput(f"durability must be one of {DURABILITIES}, got {durability!r}")
     for name, v in (("host_bytes", host_bytes), ("device_bytes", device_bytes)):
         if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-            raise InvalidInput(f"{name} must be an int >= 0, got {v!r}")
+            raise InvalidInput(f"{name} must be an int >= 0, got {v!r}")  # check_sizes made it one
     if session_idle_s is not None and (isinstance(session_idle_s, bool) or not isinstance(session_idle_s, (int, float))
                                        or not math.isfinite(session_idle_s) or session_idle_s <= 0):
         raise InvalidInput(f"session_idle_s must be a positive finite number of seconds or None (sessions never "
                            f"expire), got {session_idle_s!r}")
     return check_space_amp(max_space_amp)
+
+
+def check_sizes(host_bytes, device_bytes, disk_bytes) -> tuple[int, int, int | None]:
+    """The tiers' sizes as byte counts: ints, or strings such as "4GiB" (kvdb/sizes.py);
+    ``disk_bytes`` may be None (unbounded). NaN, negatives, fractions of a byte and anything over
+    2**62 are InvalidInput naming the option."""
+    host = parse_size(host_bytes, "host_bytes")
+    ram = physical_memory()
+    if ram and host > ram:  # the host arena is allocated at open: more than the machine has cannot be
+        raise InvalidInput(f"host_bytes={host_bytes!r} is more than this machine's memory ({ram} bytes)")
+    return host, parse_size(device_bytes, "device_bytes"), parse_size(disk_bytes, "disk_bytes", allow_none=True)
+
+
+def physical_memory() -> int | None:
+    """This machine's memory in bytes (None where the OS does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 def replacer_factory(replacer: str | Callable[[int], Replacer]) -> Callable[[int], Replacer]:
@@ -210,14 +230,25 @@ def replacer_factory(replacer: str | Callable[[int], Replacer]) -> Callable[[int
     return lambda n: make_policy(name, n, **opts)
 
 
-def pick_device(device) -> torch.device:
+def pick_device(device, device_bytes: int) -> torch.device:
+    """The device tier's device. Without CUDA a device tier is refused unless the caller asks
+    for one in CPU memory (``device="cpu"``: tests, the demo), which a default never picks."""
     if device is None:
-        return torch.device("cuda") if cuda_available() else torch.device("cpu")
-    dev = torch.device(device)
+        if not cuda_available():
+            raise InvalidInput(f"device_bytes={device_bytes} asks for a device tier but CUDA is not available; "
+                               "pass device_bytes=0 (host and disk tiers only), or device='cpu' to run the "
+                               "device tier in CPU memory (testing)")
+        dev = torch.device("cuda")
+    else:
+        dev = torch.device(device)
     if dev.type == "cuda" and not cuda_available():
-        raise InvalidInput("device='cuda' asked for but CUDA is not available; use device='cpu' or None")
+        raise InvalidInput("device='cuda' asked for but CUDA is not available; pass device_bytes=0, or "
+                           "device='cpu' to run the device tier in CPU memory (testing)")
     if dev.type not in ("cuda", "cpu"):
         raise InvalidInput(f"unsupported device {dev}; use 'cuda' or 'cpu'")
+    total = torch.cuda.get_device_properties(dev).total_memory if dev.type == "cuda" else physical_memory()
+    if total and device_bytes > total:
+        raise InvalidInput(f"device_bytes={device_bytes} is more than the {dev.type} memory ({total} bytes)")
     return dev
 
 
