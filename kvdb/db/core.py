@@ -337,6 +337,7 @@ class Db(WriteMixin, ReadMixin, MovesMixin, LandingMixin, PlansMixin, AttachedMi
                 out["tiers"]["disk"] = disk
             out["lookup_misses"] = self._lookup_misses
             out["remote_hits"] = self._remote_hits
+            out.update(self._attached_stats())
             out["sessions"] = self.planner.num_sessions
             out["hints"] = dict(self.planner.outcome_counts)
             out["plans"] = self._plans_stats()
