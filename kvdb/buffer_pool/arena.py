@@ -31,6 +31,8 @@ from kvdb.errors import CapacityError
 
 #: a CPU-to-CPU copy of at most this many bytes in one run is one native memcpy, not a torch copy_
 NATIVE_COPY_BYTES = 1 << 20
+#: frame_runs splits at most this many pairs in Python (numpy's set-up costs more below it)
+SMALL_RUNS = 16
 
 
 def frame_runs(frames: Sequence[int], rows: Sequence[int] | None = None) -> list[tuple[int, int, int]]:
@@ -41,6 +43,15 @@ def frame_runs(frames: Sequence[int], rows: Sequence[int] | None = None) -> list
     n = len(frames)
     if n == 0:
         return []
+    if n <= SMALL_RUNS:  # a few pages (one-block reads): a Python loop beats numpy's set-up
+        rs = range(n) if rows is None else rows
+        out: list[list[int]] = []
+        for r_, f_ in zip(rs, frames):
+            if out and r_ == out[-1][0] + out[-1][2] and f_ == out[-1][1] + out[-1][2]:
+                out[-1][2] += 1
+            else:
+                out.append([int(r_), int(f_), 1])
+        return [(a, b, c) for a, b, c in out]
     f = np.asarray(frames, dtype=np.int64)
     r = np.arange(n, dtype=np.int64) if rows is None else np.asarray(rows, dtype=np.int64)
     breaks = np.flatnonzero((np.diff(f) != 1) | (np.diff(r) != 1)) + 1

@@ -58,7 +58,7 @@ class BlockLayout:
 
     @property
     def itemsize(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
+        return self.dtype.itemsize  # no tensor made: page_bytes is asked on every call
 
     @property
     def page_bytes(self) -> int:
