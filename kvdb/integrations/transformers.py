@@ -45,6 +45,7 @@ import torch
 
 from kvdb.format.layout import DTYPES_BY_NAME, BlockLayout
 from kvdb.errors import CapacityError, InvalidInput, NotFound
+from kvdb.prompts import Rendered
 
 try:  # transformers is an optional extra: kvdb[transformers]
     from transformers import DynamicCache
@@ -184,6 +185,8 @@ class LookupStats:
     saved_blocks: int = 0
     refused_blocks: int = 0  # matched by the index but not handed back intact (I2)
     staged_lookups: int = 0  # read with get_blocks: the prefix could not be pinned at once
+    breaks: int = 0  # saved rendered prompts that broke their session's cache (kvdb/prompts/breaks.py)
+    tokens_lost: int = 0  # tokens those breaks could have shared and did not
 
 
 class PrefixCache:
@@ -219,6 +222,8 @@ class PrefixCache:
 
     # ---- helpers ------------------------------------------------------------------------
     def _tokens(self, input_ids) -> list[int]:
+        if isinstance(input_ids, Rendered):  # a prompt rendered by kvdb.prompts.render
+            return list(input_ids.token_ids)
         if not isinstance(input_ids, torch.Tensor):
             raise InvalidInput(f"input_ids must be a torch.Tensor, got {type(input_ids).__name__}")
         if input_ids.dim() == 2:
@@ -272,6 +277,7 @@ class PrefixCache:
     # ---- the contract ----------------------------------------------------------------------
     def lookup(self, input_ids, *, ctx=None):
         """(cache, n_cached): a DynamicCache with the longest stored prefix and its token count.
+        ``input_ids``: a [1, tokens] tensor or a prompt rendered by ``kvdb.prompts.render``.
 
         n_cached is a multiple of block_tokens and at most the last block boundary strictly
         before the final token (I1). Blocks the Db cannot hand back intact end the prefix (I2).
@@ -292,13 +298,28 @@ class PrefixCache:
         self.stats.hit_tokens += n * bt
         return cache, n * bt
 
-    def save(self, input_ids, past_key_values, **put_kwargs) -> int:
+    def save(self, input_ids, past_key_values, *, session_id: str | None = None, **put_kwargs) -> int:
         """Store every full block of ``input_ids`` that the Db does not hold yet; returns how many.
 
         ``past_key_values`` must hold the KV of ``input_ids`` from token 0 (what a forward pass
-        over the prompt, with or without a restored prefix, returns). Extra keyword arguments go
-        to ``Db.put_blocks`` (e.g. a tier or durability where the Db supports them).
+        over the prompt, with or without a restored prefix, returns). ``input_ids`` may be a
+        tensor or a prompt rendered by ``kvdb.prompts.render``; a rendered one is also noted with
+        ``Db.note_prompt`` (its segments become findable by ``near_match``; with ``session_id``
+        it counts in that session's cache breaks, and ``stats.breaks`` / ``stats.tokens_lost``
+        add up what this cache saw). Extra keyword arguments go to ``Db.put_blocks`` (e.g. a tier
+        or durability where the Db supports them).
         """
+        stored = self._save(input_ids, past_key_values, **put_kwargs)
+        if isinstance(input_ids, Rendered):
+            got = self.db.note_prompt(input_ids, session_id=session_id, tenant=self.tenant)
+            if got is not None:
+                self.stats.breaks += int(got.broke)
+                self.stats.tokens_lost += got.lost
+        elif session_id is not None:
+            raise InvalidInput("session_id is for prompts rendered by kvdb.prompts.render (break accounting)")
+        return stored
+
+    def _save(self, input_ids, past_key_values, **put_kwargs) -> int:
         tokens = self._tokens(input_ids)
         bt = self.layout.block_tokens
         if past_key_values is None or not hasattr(past_key_values, "layers"):
