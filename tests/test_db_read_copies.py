@@ -129,3 +129,26 @@ def test_a_damaged_block_ends_the_prefix_and_counts(tmp_path, monkeypatch):
         with pytest.raises(NotFound):
             db.get_blocks([keys[3], other[0]], out)
         assert spy.preadv_calls == 0 and bool((out == 7.0).all())  # stored nowhere: nothing read or written
+
+
+def test_staged_reads_copy_each_run_once(tmp_path, monkeypatch):
+    # Scenario: the path of a device ``out`` (forced here on the CPU): disk rows 1, 3, 4 of out are
+    # read into the reused staging buffer, copied once per run of rows into out, and promoted
+    # from the staging buffer; rows not read keep their bytes.
+    with kvdb.open(tmp_path, layout=LAYOUT, model_id="m", host_bytes=16 * PAGE) as db:
+        monkeypatch.setattr(type(db), "_reads_in_place", staticmethod(lambda dst: False))
+        keys = db.block_keys(list(range(5 * LAYOUT.block_tokens)))
+        b = blocks_for(5, seed=7)
+        db.put_blocks(keys, b, tier="disk", durability="group")
+        db.get_blocks([keys[0], keys[2]], torch.zeros((2, *LAYOUT.block_shape)))
+        spy = Spy(db, monkeypatch)
+        out = torch.zeros((5, *LAYOUT.block_shape))
+        db.get_blocks(keys, out)
+        assert torch.equal(out, b)
+        stage = db._read_stage
+        assert stage is not None and all(_inside(a, n, stage) for a, n in spy.pages_read)
+        assert spy.arena_srcs == [stage.data_ptr()]
+        assert all(k in db.pool for k in keys)
+        again = torch.zeros((3, *LAYOUT.block_shape))
+        db.delete([keys[1]])
+        assert db.get_prefix([keys[0], keys[1], keys[2]], again) == 1 and torch.equal(again[0], b[0])

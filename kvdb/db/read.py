@@ -115,10 +115,15 @@ class ReadMixin:
                 self._read_stage = st
         return st[:k]
 
+    @staticmethod
+    def _reads_in_place(dst: torch.Tensor) -> bool:
+        """Whether disk reads can land in ``dst`` itself (CPU memory), not a staging buffer."""
+        return dst.device.type == "cpu"
+
     def _read_disk_into(self, keys: list[bytes], dst: torch.Tensor, rows: list[int]) -> tuple[list[bool], torch.Tensor, list[int]]:
         """Read keys from the disk tier into ``dst[rows[i]]`` with one copy. Returns (found,
         src, src_rows): the host tensor and rows holding the pages, to promote from."""
-        if dst.device.type == "cpu":
+        if self._reads_in_place(dst):
             src, src_rows = dst, rows
         else:
             src, src_rows = self._stage(len(keys)), list(range(len(keys)))
