@@ -118,6 +118,53 @@ class OsFs:
             os.close(fd)
 
 
+class ReadOnlyFs(OsFs):
+    """An ``OsFs`` that never changes a byte (``read_only`` opens, kvdb/cold/store.py): reads
+    work; the log writer's append fd is opened for reading only (so an append cannot write); a
+    segment the writer would create (recovery starts a fresh one after a damaged tail) stays a
+    phantom -- /dev/null read-only, its header dropped, nothing on disk; every other change
+    raises OSError(EROFS). The store refuses appends before they get here."""
+
+    def __init__(self) -> None:
+        self._phantoms: set[int] = set()
+
+    @staticmethod
+    def _refuse(path: str):
+        return OSError(_errno.EROFS, "opened read-only", path)
+
+    def makedirs(self, path: str) -> None:
+        if not os.path.isdir(path):
+            raise self._refuse(path)
+
+    def create(self, path: str) -> int:
+        fd = os.open(os.devnull, os.O_RDONLY)
+        self._phantoms.add(fd)
+        return fd
+
+    def open_append(self, path: str) -> int:
+        return os.open(path, os.O_RDONLY)
+
+    def writev(self, fd: int, path: str, bufs: list, nbytes: int | None = None) -> None:
+        if fd not in self._phantoms:
+            raise self._refuse(path)
+
+    def close(self, fd: int) -> None:
+        self._phantoms.discard(fd)
+        os.close(fd)
+
+    def sync(self, fd: int, path: str) -> None:
+        return None  # nothing was written
+
+    def truncate(self, path: str, nbytes: int) -> None:
+        raise self._refuse(path)
+
+    def unlink(self, path: str) -> None:
+        raise self._refuse(path)
+
+    def sync_dir(self, path: str) -> None:
+        return None
+
+
 class FaultFs(OsFs):
     """OsFs plus counted I/O points, simulated crashes and injected errors (see module doc)."""
 

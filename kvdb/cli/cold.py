@@ -1,7 +1,9 @@
 """Cold-tier commands: ``kvdb verify``, ``kvdb compact``, ``kvdb wal dump`` and ``kvdb bench cold``.
 
-They open the disk tier of a data directory directly (layout from PATH/MANIFEST.json), so they
-run while no Db has the directory open; a Db holding it makes them fail with a clear error.
+They open the disk tier of a data directory directly (layout from PATH/MANIFEST.json). ``verify``
+and ``wal dump`` only read (``read_only``: no byte written, no lock taken), so they run beside a
+live Db (their view: the log as of the open) and on a read-only copy; ``compact`` needs the
+directory to itself (a Db holding it makes it fail with a clear error).
 Exit codes: 0 ok, 1 runtime error, 2 usage, 3 corruption found.
 """
 
@@ -29,10 +31,11 @@ def _layout(path: str):
     return BlockLayout.from_dict(m["layout"])
 
 
-def _open(path: str, key_file: str | None):
+def _open(path: str, key_file: str | None, read_only: bool = False):
     from kvdb.cold.store import ColdStore
 
-    return ColdStore.open(path, _layout(path), encryption_key_file=key_file, flush_interval_s=None)
+    return ColdStore.open(path, _layout(path), encryption_key_file=key_file, flush_interval_s=None,
+                          read_only=read_only)
 
 
 class _Bar:
@@ -69,17 +72,19 @@ class _Bar:
 @json_option
 def verify_cmd(path: str, encryption_key_file: str | None, as_json: bool) -> None:
     """Check every log record's checksum and every index entry against the log (exit 3 on damage)."""
+    from kvdb.db.open import lock_is_held
     from kvdb.errors import CorruptionError
 
+    live = lock_is_held(path)  # a Db is appending: the last segment's end may be mid-append
     try:
-        store = _open(path, encryption_key_file)
+        store = _open(path, encryption_key_file, read_only=True)
     except CorruptionError as e:
         report = {"ok": False, "segments": 0, "records": 0, "log_bytes": 0, "entries": 0,
                   "problems": [f"open: {e}"]}
     else:
         try:
             with _Bar("verify", not as_json) as bar:
-                report = store.verify(progress=bar).to_dict()
+                report = store.verify(progress=bar, live_writer=live).to_dict()
         finally:
             store.close()
     emit(report, as_json, _render_verify)

@@ -16,10 +16,12 @@ from kvdb.cli.output import emit, json_option
 @click.argument("path", type=click.Path(exists=True, file_okay=False))
 @json_option
 def stats_cmd(path: str, as_json: bool) -> None:
-    """Show per-tier pages, bytes, hits, misses and evictions of the Db at PATH."""
+    """Show per-tier pages, bytes, hits, misses and evictions of the Db at PATH. Read-only: writes
+    nothing, works while an engine has the Db open (its view: the log as of now) and on a
+    read-only copy."""
     from kvdb.db import Db
 
-    with Db(path, host_bytes=_one_page(path)) as db:
+    with Db(path, host_bytes=_one_page(path), read_only=True) as db:
         s = db.stats()
     emit(s, as_json, _render_stats)
 

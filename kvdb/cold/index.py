@@ -9,6 +9,12 @@ rocksdict records the options of an open in ``rocksdict-config.json`` beside the
 them back, and only this one set is tested here. No column families (their handles keep the DB
 lock after close). Values are small (48-byte entries): no blob files.
 
+Read-only (``Index(path, read_only=True)``, for inspection while another process writes, or
+of a read-only copy): RocksDB's read-only open over a private directory of symlinks to the
+index's files (rocksdict rewrites its ``rocksdict-config.json`` at every open, and the info LOG
+is written where the DB is opened: neither may touch PATH/index/). Writes (the log replay of an
+open) go to an in-memory overlay that reads consult first; nothing reaches the files.
+
 Errors map to kvdb's: a held lock -> DbLockedError, "Corruption" -> CorruptionError, any other
 failure -> StorageIOError. A damaged index is never rebuilt silently; a missing (or empty)
 index/ is: the open replays the whole log into a new one (C6, kvdb/cold/checkpoint.py).
@@ -16,6 +22,9 @@ index/ is: the open replays the whole log into a new one (C6, kvdb/cold/checkpoi
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 import threading
 from typing import Iterator
 
@@ -50,27 +59,66 @@ def map_error(e: Exception, what: str) -> Exception:
     return StorageIOError(f"{what}: {msg}")
 
 
+#: files of PATH/index/ a read-only open does not link: RocksDB's lock and info logs, rocksdict's config
+_NOT_LINKED = ("LOCK", "rocksdict-config.json")
+
+
+def _linked_view(path: str) -> str:
+    """A private directory of symlinks to the index's files (for a read-only open)."""
+    view = tempfile.mkdtemp(prefix="kvdb-index-ro-")
+    try:
+        for name in os.listdir(path):
+            if name in _NOT_LINKED or name.startswith("LOG"):
+                continue
+            os.symlink(os.path.abspath(os.path.join(path, name)), os.path.join(view, name))
+    except BaseException:
+        shutil.rmtree(view, ignore_errors=True)
+        raise
+    return view
+
+
 class Index:
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, read_only: bool = False) -> None:
         self.path = path
+        self.read_only = read_only
         self._lock = threading.Lock()  # guards _db against use after close
+        self._view: str | None = None
+        self._overlay: dict[bytes, bytes | None] | None = None
         try:
+            if read_only:
+                self._overlay = {}
+                self._view = _linked_view(path)
+                self._db = rocksdict.Rdict(self._view, rocksdict.Options(raw_mode=True),
+                                           access_type=rocksdict.AccessType.read_only())
+                self._closed = False
+                return
             self._db = rocksdict.Rdict(path, _options())
         except Exception as e:  # rocksdict raises plain Exception subclasses
+            self._drop_view()
             raise map_error(e, f"opening the index at {path}") from None
         wo = rocksdict.WriteOptions()
         wo.disable_wal = True
         self._db.set_write_options(wo)
         self._closed = False
 
+    def _drop_view(self) -> None:
+        if self._view is not None:
+            shutil.rmtree(self._view, ignore_errors=True)
+            self._view = None
+
     def get_entries(self, keys: list[bytes]) -> list[BlockEntry | None]:
+        ks = [BLOCK_PREFIX + k for k in keys]
         try:
-            vals = self._db.get([BLOCK_PREFIX + k for k in keys])
+            vals = self._db.get(ks)
         except Exception as e:
             raise map_error(e, "reading the index") from None
+        if self._overlay:
+            vals = [self._overlay[k] if k in self._overlay else v for k, v in zip(ks, vals)]
         return [None if v is None else decode_entry(v) for v in vals]
 
     def get(self, key: bytes) -> bytes | None:
+        if self._overlay and key in self._overlay:
+            return self._overlay[key]
         try:
             return self._db.get(key)
         except Exception as e:
@@ -79,6 +127,9 @@ class Index:
     def write(self, ops: list[tuple[bytes, bytes | None]]) -> None:
         """Apply (key, value) puts and (key, None) deletes atomically, in order."""
         if not ops:
+            return
+        if self._overlay is not None:  # read-only: in memory only
+            self._overlay.update(ops)
             return
         wb = rocksdict.WriteBatch(raw_mode=True)
         for k, v in ops:
@@ -97,6 +148,19 @@ class Index:
 
     def items(self, prefix: bytes) -> Iterator[tuple[bytes, bytes]]:
         """(key without the prefix, value) for every key starting with ``prefix``."""
+        if self._overlay:  # read-only after a replay: the overlay's puts and deletes merged in
+            merged = dict(self._items(prefix))
+            for k, v in self._overlay.items():
+                if k.startswith(prefix):
+                    if v is None:
+                        merged.pop(k[len(prefix):], None)
+                    else:
+                        merged[k[len(prefix):]] = v
+            yield from sorted(merged.items())
+            return
+        yield from self._items(prefix)
+
+    def _items(self, prefix: bytes) -> Iterator[tuple[bytes, bytes]]:
         it = self._db.iter()
         try:
             it.seek(prefix)
@@ -125,6 +189,8 @@ class Index:
             raise map_error(e, "copying the index") from None
 
     def flush(self) -> None:
+        if self.read_only:
+            return
         try:
             self._db.flush(True)
         except Exception as e:
@@ -139,3 +205,5 @@ class Index:
                 self._db.close()
             except Exception as e:
                 raise map_error(e, "closing the index") from None
+            finally:
+                self._drop_view()

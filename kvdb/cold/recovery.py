@@ -49,7 +49,7 @@ def saved_counters(index) -> dict:
     return {} if raw is None else iv.decode_stats(raw)
 
 
-def replay(index, fs, wal_dir: str) -> tuple[iv.Checkpoint | None, RecoveryResult]:
+def replay(index, fs, wal_dir: str, repair: bool = True) -> tuple[iv.Checkpoint | None, RecoveryResult]:
     """Step 3: the index's checkpoint and what replaying the log after it found."""
     ck = index.get(iv.CHECKPOINT_KEY)
     checkpoint = None if ck is None else iv.decode_checkpoint(ck)
@@ -62,7 +62,7 @@ def replay(index, fs, wal_dir: str) -> tuple[iv.Checkpoint | None, RecoveryResul
             batch.clear()
 
     try:
-        result = recover(fs, wal_dir, checkpoint, apply)
+        result = recover(fs, wal_dir, checkpoint, apply, repair=repair)  # read-only: a torn tail stays
     except OSError as e:
         raise StorageIOError(f"recovery of {wal_dir} failed: {e}") from e
     index.write(batch)

@@ -30,6 +30,10 @@ How a put becomes durable and indexed
        and drops those keys from pending. A background flusher fsyncs ``none`` writes within
        ``flush_interval_s`` and checkpoints every ``checkpoint_bytes``.
 
+Read-only (``open(read_only=True)``): no byte written -- the index read-only with the replay in
+    memory (kvdb/cold/index.py), a torn tail kept, files through ``ReadOnlyFs``, no checkpoint,
+    no flusher; the view is the log as of the open; writes raise InvalidInput.
+
 Invariant
     C5  after any StorageIOError the store is failed: every call raises DbFailedError until it
         is closed and opened again; nothing acknowledged before the error is lost (C1, C2).
@@ -66,7 +70,7 @@ from kvdb.cold.write import LogAppender
 from kvdb.errors import CapacityError, DbFailedError, InvalidInput, StorageIOError
 from kvdb.format import index_value as iv
 from kvdb.format.record import CODEC_NAMES, PUT_PAYLOAD_OFFSET, Codec, RecordType
-from kvdb.fs import OsFs
+from kvdb.fs import OsFs, ReadOnlyFs
 from kvdb.types import DURABILITIES, KEY_BYTES
 from kvdb.wal.commit import GroupCommit
 from kvdb.wal.segments import SegmentSet
@@ -115,6 +119,7 @@ class ColdStore:
     def __init__(self) -> None:  # use open()
         self.closed = True
         self._crashed = False
+        self.read_only = False
 
     # ------------------------------------------------------------------ open / close
 
@@ -123,7 +128,7 @@ class ColdStore:
              codec: str = "raw", default_durability: str = "group", fs: OsFs | None = None,
              segment_bytes: int = DEFAULT_SEGMENT_BYTES, checkpoint_bytes: int = DEFAULT_CHECKPOINT_BYTES,
              flush_interval_s: float | None = 0.05, native_commit: bool = False,
-             max_space_amp: float | None = DEFAULT_MAX_SPACE_AMP) -> "ColdStore":
+             max_space_amp: float | None = DEFAULT_MAX_SPACE_AMP, read_only: bool = False) -> "ColdStore":
         """Open (creating when missing) the cold tier under ``path``; runs recovery.
 
         ``max_space_amp``: the background flusher compacts on its own (``maybe_compact``) once
@@ -136,6 +141,9 @@ class ColdStore:
         ``native_commit=True`` fsyncs group commits in the native committer thread (ahead when
         fsync is very fast, behind at 0.2 ms: kvdb/wal/commit.py, docs/durability.md)."""
         self = cls()
+        self.read_only = read_only
+        if read_only:
+            fs, flush_interval_s = ReadOnlyFs(), None
         if codec not in CODEC_NAMES:
             raise InvalidInput(f"codec must be one of {sorted(CODEC_NAMES)}, got {codec!r}")
         _check_durability(default_durability)
@@ -168,7 +176,7 @@ class ColdStore:
             self.fs.makedirs(self.index_dir)
         except OSError as e:
             raise StorageIOError(f"cannot create {self.path}: {e}") from e
-        self.index = Index(self.index_dir)
+        self.index = Index(self.index_dir, read_only=read_only)
         try:
             self._open_rest(encryption_key_file, segment_bytes, checkpoint_bytes, max_space_amp, native_commit)
         except BaseException:
@@ -188,7 +196,7 @@ class ColdStore:
         saved = recovery.saved_counters(self.index)
         for k in PERSISTED_COUNTERS:
             self._counters[k] = int(saved.get(k, 0))
-        checkpoint, r = recovery.replay(self.index, self.fs, self.wal_dir)
+        checkpoint, r = recovery.replay(self.index, self.fs, self.wal_dir, repair=not self.read_only)
         self.recovery = r
         if seal_check is None:
             recovery.check_key_against_log(self.index, self.path, self.sealer, self.reader.read_entry,
@@ -203,7 +211,7 @@ class ColdStore:
                                  checkpoint_bytes=checkpoint_bytes, max_space_amp=max_space_amp)
         # O(live blocks) on every open: the eviction order is write order
         self.live.load(sorted(self.index.entries(), key=lambda kv: kv[1].lsn))
-        if r.records_replayed or r.torn_bytes:
+        if (r.records_replayed or r.torn_bytes) and not self.read_only:
             self.ckpt.checkpoint_locked()
 
     def close(self) -> None:
@@ -212,7 +220,7 @@ class ColdStore:
             return
         self.ckpt.stop_flusher()
         try:
-            if not self.failed:
+            if not self.failed and not self.read_only:
                 self.checkpoint()
         finally:
             self._release()
@@ -250,6 +258,11 @@ class ColdStore:
         if err is not None:
             raise DbFailedError(f"the cold store at {self.path} failed earlier ({err}); "
                                 "close it and open it again") from None
+
+    def check_writable(self) -> None:  # check(), and InvalidInput when opened read_only
+        self.check()
+        if self.read_only:
+            raise InvalidInput(f"the cold store at {self.path} is open read-only")
 
     @contextlib.contextmanager
     def sticky_io(self, what: str):
@@ -322,7 +335,7 @@ class ColdStore:
             namespace_id: int = 0) -> None:
         """Store pages (uint8 [n, page_bytes], C-contiguous, CPU) under keys; returns when they
         are as durable as ``durability`` asks ("none" | "group" | "sync")."""
-        self.check()
+        self.check_writable()
         durability = durability or self.default_durability
         _check_durability(durability)
         keys = self._validate_keys(keys)
@@ -356,7 +369,7 @@ class ColdStore:
 
     def delete(self, keys, durability: str | None = None) -> int:
         """Delete blocks (absent keys are ignored); returns how many were live."""
-        self.check()
+        self.check_writable()
         durability = durability or self.default_durability
         _check_durability(durability)
         lsn, n = self.appender.append_delete(self._validate_keys(keys))
@@ -367,7 +380,7 @@ class ColdStore:
     def put_metadata(self, kind: str, name: bytes, value: bytes, durability: str | None = None) -> None:
         """Log a SESSION / TTL / LEASE record (``kind`` "session" | "ttl" | "lease"); an empty
         value removes the entry. The planner gives them meaning; here they are stored durably."""
-        self.check()
+        self.check_writable()
         lsn = self.appender.append_metadata(_metadata_type(kind), bytes(name), bytes(value))
         self._make_durable(lsn, durability or self.default_durability)
 
@@ -388,6 +401,8 @@ class ColdStore:
     def flush(self) -> None:
         """Make every write so far durable (and indexed)."""
         self.check()
+        if self.read_only:
+            return
         with self.writer.lock:
             last = self.writer.next_lsn - 1
         self._make_durable(last, "group")
@@ -396,7 +411,7 @@ class ColdStore:
     def checkpoint(self) -> None:
         """Everything so far durable, indexed and flushed; replay will start after it (C2).
         Also deletes segments that hold no live block any more (C4)."""
-        self.check()
+        self.check_writable()
         self.ckpt.checkpoint()
 
     # ------------------------------------------------------------------ reads
@@ -493,11 +508,13 @@ class ColdStore:
 
     def compact(self, progress=None, now_ns: int | None = None) -> dict:
         """Delete TTL-expired blocks, then garbage-collect segments (kvdb/cold/compact.py)."""
+        self.check_writable()
         return compact(self, progress, now_ns=now_ns)
 
-    def verify(self, progress=None) -> VerifyReport:
-        """Check every record and index entry (kvdb/cold/verify.py)."""
-        return verify(self, progress)
+    def verify(self, progress=None, live_writer: bool = False) -> VerifyReport:
+        """Check every record and index entry (kvdb/cold/verify.py); ``live_writer``: another
+        process is appending (a read-only check): a torn end of the last segment is its append."""
+        return verify(self, progress, live_writer)
 
 
 __all__ = ["ColdStore"]

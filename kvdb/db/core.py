@@ -115,8 +115,12 @@ class Db(WriteMixin, ReadMixin, MovesMixin, LandingMixin, PlansMixin, AttachedMi
         clock: Callable[[], float] | None = None,
         session_idle_s: float | None = 3600.0,
         max_space_amp: float | None = 2.0,  # kvdb.cold.store.DEFAULT_MAX_SPACE_AMP
+        read_only: bool = False,
     ) -> None:
         self.path = Path(path)
+        # read_only: inspection (kvdb stats, verify) that writes no byte, takes no lock and so
+        # works beside a live writer and on a read-only copy; its view is the log as of the open
+        self.read_only = bool(read_only)
         # the time base of sessions, hints and planned moves (monotone seconds); injectable so
         # tests and simulated timelines can drive plans without sleeping
         self._clock: Callable[[], float] = clock if clock is not None else time.monotonic
@@ -131,10 +135,12 @@ class Db(WriteMixin, ReadMixin, MovesMixin, LandingMixin, PlansMixin, AttachedMi
         self._max_space_amp = check_options(durability, host_bytes, device_bytes, session_idle_s, max_space_amp)
         # a session idle this long is ended by the mover (kvdb/db/plans/expiry.py S1-S3)
         self._session_idle_s: float | None = None if session_idle_s is None else float(session_idle_s)
-        self.path.mkdir(parents=True, exist_ok=True)
-        self._lock_fd = take_lock(self.path)
+        if not self.read_only:
+            self.path.mkdir(parents=True, exist_ok=True)
+            self._lock_fd = take_lock(self.path)
         try:
-            finish_swap_locked(self.path)  # a re-seed a crash interrupted: roll it forward or drop it (RS1)
+            if not self.read_only:
+                finish_swap_locked(self.path)  # a re-seed a crash interrupted: roll it forward or drop it (RS1)
             self._open(
                 layout, model_id, host_bytes, device_bytes, device, replacer, key_secret, key_algo,
                 dict(model_revision=model_revision, tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size),
@@ -154,7 +160,7 @@ class Db(WriteMixin, ReadMixin, MovesMixin, LandingMixin, PlansMixin, AttachedMi
         if not 0.0 <= device_free_fraction < 1.0:
             raise InvalidInput(f"device_free_fraction must be in [0, 1), got {device_free_fraction!r}")
         self.keyspace, self.layout, self.model_id = open_keyspace(self.path, layout, model_id, key_secret,
-                                                                  key_algo, ns_extra)
+                                                                  key_algo, ns_extra, self.read_only)
         self.default_durability = durability
 
         page = self.layout.page_bytes
@@ -179,7 +185,8 @@ class Db(WriteMixin, ReadMixin, MovesMixin, LandingMixin, PlansMixin, AttachedMi
         self._init_plans()
         self._init_moves(device_frames, device_free_fraction)
         self._cold = None
-        self._cold = open_cold(self.path, self.layout, disk_bytes, codec, encryption_key_file, self._max_space_amp)
+        self._cold = open_cold(self.path, self.layout, disk_bytes, codec, encryption_key_file, self._max_space_amp,
+                               self.read_only)
         if self._cold is not None:  # the disk tier's counters survive a reopen (saved by the store)
             saved = self._cold.stats()
             self._disk_hits, self._lookup_misses = saved["lookup_hits"], saved["lookup_misses"]
@@ -205,7 +212,7 @@ class Db(WriteMixin, ReadMixin, MovesMixin, LandingMixin, PlansMixin, AttachedMi
             if self._state == "closed":
                 return
             try:
-                if self._state == "open" and self._cold is not None:
+                if self._state == "open" and self._cold is not None and not self.read_only:
                     self._write_back_all()
             finally:
                 try:
@@ -256,6 +263,11 @@ class Db(WriteMixin, ReadMixin, MovesMixin, LandingMixin, PlansMixin, AttachedMi
             raise DbFailedError(f"{self.path} is in the failed state after an I/O error ({self._failure}); "
                                 "close it and open it again") from self._failure
         raise KvdbError(f"{self.path} is closed")
+
+    def _check_writable(self) -> None:
+        self._check()
+        if self.read_only:
+            raise InvalidInput(f"{self.path} is open read_only; open it without read_only=True to write")
 
     def _fail(self, err: BaseException) -> None:
         self._state = "failed"
@@ -324,7 +336,7 @@ class Db(WriteMixin, ReadMixin, MovesMixin, LandingMixin, PlansMixin, AttachedMi
         """Per tier: pages, capacity, bytes, hits, misses, evictions (and more)."""
         self._check()
         with self._lock:
-            out: dict = {"model_id": self.model_id, "layout": self.layout.to_dict(),
+            out: dict = {"model_id": self.model_id, "read_only": self.read_only, "layout": self.layout.to_dict(),
                          "page_bytes": self.layout.page_bytes, "tiers": dict(self.pool.tier_stats())}
             if self._cold is not None:
                 disk = dict(self._cold.stats())

@@ -21,7 +21,7 @@ class LandingMixin:
         first, then pages evicted as a put would evict them. All or nothing: CapacityError
         (nothing evicted) when fewer than ``n`` frames are free or evictable. Every reservation
         ends in ``commit_frames`` or ``release_frames``."""
-        self._check()
+        self._check_writable()
         if not isinstance(n, int) or isinstance(n, bool) or n < 0:
             raise InvalidInput(f"reserve_frames needs a count >= 0, got {n!r}")
         with self._lock:
@@ -55,7 +55,7 @@ class LandingMixin:
         disk tier before returning -- and returns how many were new. The reservation is used up
         whatever happens: frames not committed (skipped keys, duplicates, an error on the way)
         are released. InvalidInput, with nothing changed, for frames not reserved."""
-        self._check()
+        self._check_writable()
         fl = self._frame_list(frames)
         with self._lock:
             self._check()

@@ -50,7 +50,7 @@ class MovesMixin:
         """Move keys down a tier ahead of need, in one batch on the background mover: to="host"
         demotes device pages; to="disk" writes dirty pages back and frees their memory (needs
         the disk tier). Pinned pages stay. Returns pages moved, or a Future with wait=False."""
-        self._check()
+        self._check_writable()
         if to not in ("host", "disk"):
             raise InvalidInput(f"offload to must be 'host' or 'disk', got {to!r}")
         if to == "disk" and self._cold is None:

@@ -20,6 +20,10 @@ Open, in order (``Db.__init__``), each step under the lock
        log: kvdb/cold/).
 A failure at any step drops the lock and raises; nothing the steps wrote is half made (the
 manifest and the secret are written atomically, the swap rolls forward from any step).
+
+A ``read_only`` open (inspection: ``kvdb stats``, ``verify``) writes nothing and takes no lock:
+no step 1 or 2, the manifest must exist, the secret is read if there (else no keys: ``NoKeys``),
+and the cold tier opens read-only (kvdb/cold/store.py).
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ import torch
 from kvdb.buffer_pool.arena import cuda_available
 from kvdb.buffer_pool.replacer import Replacer
 from kvdb.cold.store import ColdStore, check_space_amp
-from kvdb.errors import CorruptionError, DbLockedError, InvalidInput
+from kvdb.errors import CorruptionError, DbLockedError, InvalidInput, NotFound
 from kvdb.format.layout import BlockLayout
 from kvdb.format.manifest import read_manifest, write_manifest
 from kvdb.format.swap import APPLIED_NAME, ASIDE_DIR, MOVED, REPLICATION_DIR, STAGING_DIR, SWAP_MARKER
@@ -66,6 +70,21 @@ def take_lock(path: Path, busy: str | None = None) -> int:
         raise DbLockedError(busy or f"{path} is already open (another process or another Db in this one); "
                             "close it first or use a different path") from None
     return fd
+
+
+def lock_is_held(path) -> bool:
+    """Whether a Db (any process) has PATH open now; takes nothing and writes nothing."""
+    try:
+        fd = os.open(Path(path) / LOCK_NAME, os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # closing drops a lock we took
+    return False
 
 
 def drop_lock(fd: int) -> None:
@@ -134,8 +153,9 @@ def key_secret_id(secret: bytes) -> str:
     return hmac.new(secret, b"kvdb key secret id", hashlib.sha256).hexdigest()[:32]
 
 
-def load_secret(path: Path, key_secret: bytes | None) -> bytes:
-    """The caller's secret, else PATH/KEY_SECRET, made on first use. Caller holds the lock."""
+def load_secret(path: Path, key_secret: bytes | None, read_only: bool = False) -> bytes | None:
+    """The caller's secret, else PATH/KEY_SECRET, made on first use (never when ``read_only``).
+    Caller holds the lock (or opens read-only)."""
     p = path / KEY_SECRET_NAME
     if key_secret is not None:
         if not isinstance(key_secret, (bytes, bytearray)) or len(key_secret) < 16:
@@ -144,17 +164,36 @@ def load_secret(path: Path, key_secret: bytes | None) -> bytes:
     try:
         return p.read_bytes()
     except FileNotFoundError:
+        if read_only:
+            return None  # made with an explicit key_secret: inspection works without keys (NoKeys)
         secret = secrets.token_bytes(32)
         write_file_atomic(p, secret, mode=0o600)  # we hold the directory lock: no race
         return secret
 
 
+class NoKeys:
+    """The key space of a read-only open without the directory's key secret (it was made with
+    an explicit ``key_secret``): stats and verify need no keys; computing one is InvalidInput."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __getattr__(self, name: str):
+        raise InvalidInput(f"{self.path} is open read-only without its key secret (no {KEY_SECRET_NAME} file); "
+                           "pass key_secret= to compute keys")
+
+
 def open_keyspace(path: Path, layout, model_id, key_secret: bytes | None, key_algo: str,
-                  ns_extra: dict) -> tuple[KeySpace, BlockLayout, str]:
+                  ns_extra: dict, read_only: bool = False) -> tuple[KeySpace, BlockLayout, str]:
     """Write the manifest of a new directory, or check the caller's options against an
-    existing one's; the directory's (KeySpace, layout, model id) either way. Caller holds the lock."""
+    existing one's; the directory's (KeySpace, layout, model id) either way. Caller holds the lock
+    (or opens ``read_only``: then the directory must exist)."""
     manifest = read_manifest(path)
-    secret = load_secret(path, key_secret)
+    if manifest is None and read_only:
+        raise NotFound(f"{path} is not a kvdb data directory (no MANIFEST.json); read_only opens only an existing one")
+    secret = load_secret(path, key_secret, read_only)
+    if secret is None:  # read-only, no secret file and none given
+        return NoKeys(path), BlockLayout.from_dict(manifest["layout"]), manifest["model_id"]
     if manifest is None:
         if layout is None or model_id is None:
             raise InvalidInput(f"{path} is a new data directory: pass layout= and model_id=")
@@ -252,11 +291,15 @@ def pick_device(device, device_bytes: int) -> torch.device:
     return dev
 
 
-def open_cold(path: Path, layout: BlockLayout, disk_bytes, codec, encryption_key_file, max_space_amp):
-    """The disk tier (kvdb/cold/), or None when it is off (``disk_bytes=0``)."""
+def open_cold(path: Path, layout: BlockLayout, disk_bytes, codec, encryption_key_file, max_space_amp,
+              read_only: bool = False):
+    """The disk tier (kvdb/cold/), or None when it is off (``disk_bytes=0``); read-only
+    (kvdb/cold/store.py) when asked, and then None where the directory has no disk tier."""
     if disk_bytes == 0:
         if encryption_key_file is not None:
             raise InvalidInput("encryption_key_file needs the disk tier (disk_bytes != 0)")
         return None
+    if read_only and not (Path(path) / "wal").is_dir():
+        return None
     return ColdStore.open(path, layout, disk_bytes=disk_bytes, encryption_key_file=encryption_key_file,
-                          codec=codec, default_durability="group", max_space_amp=max_space_amp)
+                          codec=codec, default_durability="group", max_space_amp=max_space_amp, read_only=read_only)

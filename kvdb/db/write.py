@@ -31,7 +31,7 @@ class WriteMixin:
         (ack after the batch's shared fsync), "sync" (own fsync); default: the Db's.
         tier: None (fastest tier with room) or "disk" (write to the disk tier only).
         """
-        self._check()
+        self._check_writable()
         keys = normalize_keys(keys)
         n = len(keys)
         pages = self._as_pages(blocks, n, "blocks")
@@ -151,7 +151,7 @@ class WriteMixin:
 
     def delete(self, keys) -> int:
         """Delete keys from every tier; returns how many were stored. Unknown keys are ignored."""
-        self._check()
+        self._check_writable()
         keys = normalize_keys(keys)
         with self._lock:
             self._unprotect(keys)
