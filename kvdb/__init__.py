@@ -8,17 +8,39 @@
         db.put_blocks(keys, blocks)
 """
 
+from __future__ import annotations
+
+import importlib
 import os
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from kvdb import errors
-from kvdb.db import Db, PinnedPages
-from kvdb.format.layout import BlockLayout
-from kvdb.types import BlockKey
+
+if TYPE_CHECKING:
+    from kvdb.db import Db, PinnedPages
+    from kvdb.format.layout import BlockLayout
+    from kvdb.types import BlockKey
 
 __version__ = "0.1.0"
 
 __all__ = ["BlockKey", "BlockLayout", "Db", "PinnedPages", "errors", "open", "__version__"]
+
+# imported on first use (PEP 562): ``import kvdb`` and ``kvdb --version`` / ``--help`` stay free
+# of torch, which the Db, the layout and the key types need
+_LAZY = {"Db": "kvdb.db", "PinnedPages": "kvdb.db", "BlockLayout": "kvdb.format.layout", "BlockKey": "kvdb.types"}
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvdb' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
 
 
 def open(  # noqa: A001 - mirrors sqlite3.connect / rocksdb open
@@ -36,6 +58,8 @@ def open(  # noqa: A001 - mirrors sqlite3.connect / rocksdb open
     serve local lookup misses, ``replicas`` are followers the log ships to, both with the
     shared secret in ``replication_secret_file``; ``replication_transport`` picks the data
     plane ("auto", "mooncake", "tcp": kvdb/replication/transport.py)."""
+    from kvdb.db import Db
+
     db = Db(path, **kwargs)
     if peers or replicas or replication_secret_file is not None:
         try:
