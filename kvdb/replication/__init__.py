@@ -5,7 +5,9 @@
 
 Modules: protocol (frame layout), channel (authenticated control channel), transport (Mooncake
 Transfer Engine data plane; inline TCP fallback), peer (push / lookup client), node (the
-server), shipping (log shipping), netns (private network namespaces for tests and benchmarks).
+server's connections) and requests (what it serves), shipping (log shipping, leader side;
+sendbuf, slots), sink (follower side), reseed, replicator and attach (a Db's replication),
+namespace, netns (private network namespaces for tests and benchmarks).
 See docs/replication.md.
 """
 

@@ -34,7 +34,8 @@ from kvdb.replication.channel import HandshakeTimeout, RemoteError, load_secret
 from kvdb.replication.namespace import mismatch, namespace_of
 from kvdb.replication.peer import Peer, PushResult
 from kvdb.replication.protocol import ErrorCode, FrameError, OversizeFrame
-from kvdb.replication.shipping import LogShipper, retained_lsn
+from kvdb.replication.shipping import LogShipper
+from kvdb.replication.slots import retained_lsn
 from kvdb.replication.transport import Transport
 from kvdb.wal.source import SegmentLogSource
 

@@ -38,40 +38,37 @@ Invariants:
       applying and persisting its position converges when the leader re-sends.
   S3. The leader ships only records its log made durable (``LogSource.durable_lsn``): a follower
       never holds a record the leader could lose in a crash.
-  S4. Replication slots: the leader persists each follower's confirmed lsn (``slots.json``) and
-      ``retained_lsn(state_dir)`` is the lowest one: compaction must keep every record above it.
-  S5. Lsns are only compared within one log: the leader's ``log_id`` travels in SHIP_HELLO and is
-      stored with the follower's position; a follower of another log is never streamed to.
+  S4. Replication slots: the leader persists each follower's confirmed lsn (``slots.json``,
+      kvdb/format/slots.py) and ``retained_lsn(state_dir)`` (slots.py) is the lowest one:
+      compaction must keep every record above it.
+  S5. Lsns are only compared within one log: the leader's ``log_id`` (kvdb/format/slots.py)
+      travels in SHIP_HELLO and is stored with the follower's position; a follower of another
+      log is never streamed to.
   S6. A follower applies nothing of a leader of another namespace (namespace.py): the leader's
       namespace travels in SHIP_HELLO and the follower refuses the stream before SHIP_POSITION.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import threading
 import time
 from collections import deque
 from pathlib import Path
 from typing import Protocol
 
-import numpy as np
-import torch
-
 from kvdb.cold.export import Snapshot
 from kvdb.errors import (
     AuthError,
-    CorruptionError,
     InvalidInput,
     KvdbError,
     ReplicationError,
 )
-from kvdb.fs import write_file_atomic
 from kvdb.replication.channel import Channel, RemoteError, connect
 from kvdb.replication.protocol import ErrorCode, MsgType
 from kvdb.replication.reseed import snapshot_batches
+from kvdb.replication.sendbuf import SendBuffers
+from kvdb.replication.slots import log_id_of, read_slots, write_slots
 from kvdb.replication.transport import Transport, get_transport
 
 log = logging.getLogger("kvdb.replication")
@@ -81,47 +78,6 @@ DEFAULT_BATCH_BYTES = 32 << 20
 #: commit, sync put or flush (``notify``); an idle stream looks again after POLL_S at the
 #: latest, as a safety net.
 POLL_S = 0.05
-APPLIED_NAME = "applied_lsn"
-SLOTS_NAME = "slots.json"
-LOG_ID_NAME = "log_id"
-
-
-# ---------------------------------------------------------------- state files
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_file_atomic(path, data)
-
-
-def _log_id(state_dir) -> str | None:
-    """This leader's log identity (``PATH/replication/log_id``, created once): followers record
-    it with their position so lsns of two different logs are never mixed up."""
-    if state_dir is None:
-        return None
-    p = Path(state_dir) / LOG_ID_NAME
-    try:
-        return p.read_text().strip()
-    except FileNotFoundError:
-        log_id = os.urandom(8).hex()
-        _write_atomic(p, log_id.encode())
-        return log_id
-
-
-def read_slots(state_dir) -> dict[str, int]:
-    p = Path(state_dir) / SLOTS_NAME
-    try:
-        return {str(k): int(v) for k, v in json.loads(p.read_text()).items()}
-    except FileNotFoundError:
-        return {}
-    except (ValueError, AttributeError) as e:
-        raise CorruptionError(f"replication slots file {p} is damaged ({e}); delete it to re-seed followers") from None
-
-
-def retained_lsn(state_dir) -> int | None:
-    """The lowest lsn a follower has confirmed (S4): keep every record above it; None: no slots."""
-    slots = read_slots(state_dir)
-    return min(slots.values()) if slots else None
 
 
 # ---------------------------------------------------------------- leader side: the log
@@ -191,7 +147,7 @@ class LogShipper:
         self._wakes = 0  # notify() calls so far: a stream waits only if none came since it looked
         self._listening = False  # registered as the store's durability listener
         slots = read_slots(self.state_dir) if self.state_dir is not None else {}
-        self.log_id = _log_id(self.state_dir)
+        self.log_id = log_id_of(self.state_dir)
         self.followers = [_Follower(a, slots.get(a, 0)) for a in replicas]
         self._slots_lock = threading.Lock()  # one writer of slots.json at a time; guards _slots_saved_at
         self._slots_saved_at = 0.0
@@ -301,7 +257,7 @@ class LogShipper:
             self._slots_saved_at = now
             with self._cond:
                 slots = {f.addr: f.confirmed_lsn for f in self.followers}
-            _write_atomic(self.state_dir / SLOTS_NAME, json.dumps(slots, sort_keys=True).encode())
+            write_slots(self.state_dir, slots)
 
     # -- one follower
 
@@ -381,7 +337,7 @@ class LogShipper:
             why, automatic = self._needs_reseed(f, applied, pos.get("log_id"))
             if why is not None and not (automatic or f.reseed_asked):
                 raise _Reseed(f"{why}; re-seed it (LogShipper.reseed / db.reseed_replica)")
-            bufs = _SendBuffers(transport, int(region["bytes"]) // 2 if engine else 0)
+            bufs = SendBuffers(transport, int(region["bytes"]) // 2 if engine else 0)
             try:
                 if why is not None or f.reseed_asked:
                     if self.store is None or not pos.get("reseed"):
@@ -509,49 +465,6 @@ class LogShipper:
         transport.write(region["transport"], [(src, total)], [int(region["addr"]) + off])
         meta.update(inline=False, offset=off)
         ch.send(MsgType.SHIP_RECORDS, meta)
-
-
-class _SendBuffers:
-    """Where a batch is sent from. Records that lie back to back in one segment map (the usual
-    case) go straight from the map, registered with the engine once per map: no copy. Others
-    are copied into a registered staging buffer of two halves, allocated on first need."""
-
-    def __init__(self, transport: Transport, half: int) -> None:
-        self.transport = transport
-        self.half = half
-        self._maps: dict[int, int] = {}  # id(map) -> registered base address
-        self._staging: torch.Tensor | None = None
-
-    def source(self, recs, off: int) -> int:
-        first = recs[0][1]
-        owner = getattr(first, "obj", None)
-        addrs = [np.frombuffer(b, dtype=np.uint8).ctypes.data for _, b in recs]
-        contiguous = owner is not None and all(
-            getattr(b, "obj", None) is owner and a + b.nbytes == nxt
-            for (_, b), a, nxt in zip(recs, addrs, addrs[1:] + [addrs[-1] + recs[-1][1].nbytes]))
-        if contiguous:
-            if id(owner) not in self._maps:
-                base = np.frombuffer(owner, dtype=np.uint8).ctypes.data
-                self.transport.register_range(base, len(owner), owner)
-                self._maps[id(owner)] = base
-            return addrs[0]
-        if self._staging is None:
-            self._staging = torch.empty(2 * self.half, dtype=torch.uint8)
-            self.transport.register(self._staging)
-        dst = self._staging.numpy()
-        pos = off
-        for _, b in recs:
-            dst[pos : pos + b.nbytes] = np.frombuffer(b, dtype=np.uint8)
-            pos += b.nbytes
-        return self._staging.data_ptr() + off
-
-    def release(self) -> None:
-        for base in self._maps.values():
-            self.transport.unregister_range(base)
-        self._maps.clear()
-        if self._staging is not None:
-            self.transport.unregister(self._staging)
-            self._staging = None
 
 
 class _Reseed(ReplicationError):

@@ -52,12 +52,12 @@ from kvdb.format.record import (
     decode_meta,
     decode_put,
 )
+from kvdb.format.swap import APPLIED_NAME
 from kvdb.fs import write_file_atomic
 from kvdb.replication.channel import Channel
 from kvdb.replication.namespace import mismatch, namespace_of
 from kvdb.replication.protocol import ErrorCode, Message, MsgType
 from kvdb.replication.reseed import Staging, finish_swap
-from kvdb.replication.shipping import APPLIED_NAME
 from kvdb.replication.transport import Region
 
 log = logging.getLogger("kvdb.replication")

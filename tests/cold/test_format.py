@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from kvdb.errors import CorruptionError
 from kvdb.format import index_value as iv
 from kvdb.format import record as fr
+from kvdb.format import slots as fs
 from kvdb.wal.reader import scan_buffer
 
 GOLDEN = Path(__file__).resolve().parent.parent / "golden"
@@ -44,6 +45,8 @@ def golden_examples() -> dict[str, bytes]:
         "segment_example.log": header + put + delete + session + ttl + lease + ckpt,
         "index_entry.bin": entry,
         "index_checkpoint.bin": iv.encode_checkpoint(iv.Checkpoint(1, 32, 5)),
+        "replication_slots.json": fs.encode_slots({"10.0.0.8:7070": 1790, "10.0.0.7:7070": 1843}),
+        "replication_log_id": fs.encode_log_id("9f3a61c02be4d778"),
     }
 
 
@@ -52,6 +55,17 @@ def test_golden_files_reencode_byte_for_byte(name):
     if os.environ.get("KVDB_REGEN_GOLDEN"):
         (GOLDEN / name).write_bytes(golden_examples()[name])
     assert (GOLDEN / name).read_bytes() == golden_examples()[name]
+
+
+def test_replication_state_files_decode_and_refuse_damage():
+    # the worked examples of kvdb/format/slots.py; a slots file that is not an object of
+    # integer lsns is CorruptionError naming the file
+    slots = fs.decode_slots((GOLDEN / "replication_slots.json").read_bytes())
+    assert slots == {"10.0.0.7:7070": 1843, "10.0.0.8:7070": 1790}
+    assert fs.decode_log_id((GOLDEN / "replication_log_id").read_bytes() + b"\n") == "9f3a61c02be4d778"
+    for raw in (b"[1, 2]", b"{not json", b'{"a:1": "x"}', b'{"a:1": null}'):
+        with pytest.raises(CorruptionError, match="slots file S is damaged"):
+            fs.decode_slots(raw, "S")
 
 
 def test_worked_example_of_a_put_record():

@@ -13,7 +13,7 @@ import kvdb
 from kvdb.errors import ReplicationError
 from kvdb.replication import Peer
 from kvdb.replication.replicator import Replicator
-from kvdb.replication.shipping import retained_lsn
+from kvdb.replication.slots import retained_lsn
 
 from .conftest import LAYOUT, SECRET, TRANSPORTS, make_blocks, make_keys
 
