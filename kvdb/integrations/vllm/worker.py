@@ -128,6 +128,10 @@ class Worker:
 
         return write
 
+    def _registered(self) -> None:
+        if self.paged is None:
+            raise InvalidInput("kvdb: vLLM moved blocks before register_kv_caches gave the connector its KV cache")
+
     def _buffer(self, n: int) -> torch.Tensor:
         if self._staging is None or self._staging.shape[0] < n:
             size = max(n, 2 * (self._staging.shape[0] if self._staging is not None else 8))
@@ -138,7 +142,7 @@ class Worker:
     def load(self, moves) -> None:
         """Every move's blocks into the paged cache; blocks from the first unreadable one on are
         load errors (connector I3)."""
-        assert self.paged is not None, "register_kv_caches comes first"
+        self._registered()
         c = self.service.counters
         self.last_loads = []
         for m in moves:
@@ -174,7 +178,7 @@ class Worker:
 
     def save(self, moves) -> None:
         """Every move's blocks out of the paged cache into the Db (skipping stored keys)."""
-        assert self.paged is not None, "register_kv_caches comes first"
+        self._registered()
         for m in moves:
             n = len(m.hashes)
             if n == 0:
