@@ -31,6 +31,8 @@ from kvdb.replication.protocol import PREAUTH_MAX_BYTES, ErrorCode, MsgType
 
 from .conftest import LAYOUT, SECRET, wait_for
 
+ALLOC_SLACK_BYTES = 16 << 10  # interpreter objects beside the capped buffers
+
 OUTCOMES = ("auth_failures", "handshake_timeouts", "oversize_frames", "malformed_frames", "handshakes_abandoned",
             "rejected_connections")
 HEADER = struct.Struct("<4sBBHQIQ")
@@ -184,7 +186,11 @@ def test_every_malformed_or_oversize_frame_closes_counts_and_allocates_at_most_t
     assert ("oversize_frames" in went_up) == oversize
     assert sizes, "no receive buffer was allocated through Channel._buffer"
     assert max(sizes) <= PREAUTH_MAX_BYTES and sum(sizes) <= PREAUTH_MAX_BYTES
-    assert peak <= PREAUTH_MAX_BYTES, f"{peak} bytes allocated while the node refused one hostile connection"
+    # the receive buffers are held to the cap exactly (above); everything Python allocates besides
+    # (frame objects, socket bookkeeping on both sides) gets a fixed slack, far below any body
+    # an attacker declares (up to 1 GiB here): a CI run measured 66,219 bytes for a 64 KiB frame
+    assert peak <= PREAUTH_MAX_BYTES + ALLOC_SLACK_BYTES, \
+        f"{peak} bytes allocated while the node refused one hostile connection"
 
 
 def test_each_refusal_names_its_cause(fuzz_node):
