@@ -42,6 +42,7 @@ import numpy as np
 from kvdb import native
 from kvdb.format.layout import BlockLayout
 from kvdb.cold.store import ColdStore
+from kvdb.fs import drop_page_cache
 from kvdb.format.record import PUT_FIXED_BYTES, RECORD_HEADER_BYTES
 
 GIB = 1 << 30
@@ -51,18 +52,9 @@ BIG = BlockLayout(num_layers=32, num_kv_heads=8, head_dim=128, block_tokens=16)
 SMALL = BlockLayout(num_layers=1, num_kv_heads=1, head_dim=64, block_tokens=16)
 
 
-def _drop_cache(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fdatasync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
 def _drop_dir_cache(d: str) -> None:
     for name in os.listdir(d):
-        _drop_cache(os.path.join(d, name))
+        drop_page_cache(os.path.join(d, name))
 
 
 def _keys(n: int, tag: int) -> list[bytes]:
@@ -102,7 +94,7 @@ def bench_bandwidth(root: str, total_bytes: int, batch_pages: int) -> dict:
         # warm-up, untimed: the first read of a store starts its read-ahead thread and opens
         # its segment fd; the baseline has nothing to warm
         assert all(store.get_into(_keys(2, 0), out[:2]))
-        _drop_cache(raw_path)
+        drop_page_cache(raw_path)
         _drop_dir_cache(store.wal_dir)
         fd = os.open(raw_path, os.O_RDONLY)
         hits = 0

@@ -22,15 +22,12 @@ Unknown keys are refused (a typo must not silently fall back to a default).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
 from kvdb.errors import InvalidInput
 from kvdb.sizes import parse_size
 from kvdb.types import DURABILITIES
-
-KNOWN = ("path", "host_bytes", "disk_bytes", "durability", "model_id", "replacer", "encryption_key_file",
-         "codec", "session_idle_s", "lookup_timeout_s")
 
 
 @dataclass(frozen=True)
@@ -84,3 +81,6 @@ class Settings:
             session_idle_s=None if idle is None else float(idle),
             lookup_timeout_s=float(timeout),
         )
+
+
+KNOWN = tuple(f.name for f in fields(Settings))  # the settings kv_connector_extra_config may hold

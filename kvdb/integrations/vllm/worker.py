@@ -132,6 +132,10 @@ class Worker:
         if self.paged is None:
             raise InvalidInput("kvdb: vLLM moved blocks before register_kv_caches gave the connector its KV cache")
 
+    def _keys(self, m) -> tuple[list[bytes], torch.Tensor]:
+        """A move's block keys in its tenant's namespace, and a staging tensor that holds them."""
+        return self.db.engine_keys(m.hashes, tenant=m.tenant), self._buffer(len(m.hashes))
+
     def _buffer(self, n: int) -> torch.Tensor:
         if self._staging is None or self._staging.shape[0] < n:
             size = max(n, 2 * (self._staging.shape[0] if self._staging is not None else 8))
@@ -150,8 +154,7 @@ class Worker:
             if n == 0:
                 continue
             try:
-                keys = self.db.engine_keys(m.hashes, tenant=m.tenant)
-                buf = self._buffer(n)
+                keys, buf = self._keys(m)
                 good = self.db.get_prefix(keys, out=buf, ctx=self.service.ctx(m.req_id))
             except KvdbError as e:  # a Db that cannot read is a miss for every block, never a crash
                 log.warning("kvdb: request %s: load failed (%s); vLLM recomputes its %d blocks", m.req_id, e, n)
@@ -184,8 +187,7 @@ class Worker:
             if n == 0:
                 continue
             try:
-                keys = self.db.engine_keys(m.hashes, tenant=m.tenant)
-                buf = self._buffer(n)
+                keys, buf = self._keys(m)
                 self.paged.gather(self.caches, torch.as_tensor(m.block_ids, dtype=torch.int64), buf)
                 self.service.counters.saved_blocks += self.db.put_blocks(
                     keys, buf[:n], positions=range(m.first_block, m.first_block + n), ctx=self.service.ctx(m.req_id))
