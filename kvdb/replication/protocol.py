@@ -174,9 +174,40 @@ def decode_header(raw: bytes, max_body: int | None = None) -> tuple[int, int, in
     return mtype, seq, meta_bytes, blob_bytes
 
 
+MAX_META_DEPTH = 32  # metadata nests a few levels; deeper JSON is refused before it is parsed
+
+
+def _nesting(data: bytes) -> int:
+    """The deepest ``[`` / ``{`` nesting of JSON text (brackets inside strings skipped)."""
+    depth = deepest = 0
+    in_str = esc = False
+    for b in data:
+        if in_str:
+            if esc:
+                esc = False
+            elif b == 0x5C:  # backslash
+                esc = True
+            elif b == 0x22:  # quote
+                in_str = False
+        elif b == 0x22:
+            in_str = True
+        elif b in (0x5B, 0x7B):
+            depth += 1
+            deepest = max(deepest, depth)
+        elif b in (0x5D, 0x7D):
+            depth -= 1
+    return deepest
+
+
 def decode_meta(raw) -> dict:
+    data = bytes(raw)
+    # parsing builds an object per level: refuse deep nesting before json allocates it (a 4 KiB
+    # pre-authentication frame of brackets made the parser build ~130 KB). The count is a C-speed
+    # gate, so ordinary metadata is never scanned in Python.
+    if data.count(b"[") + data.count(b"{") > MAX_META_DEPTH and _nesting(data) > MAX_META_DEPTH:
+        raise FrameError(f"corrupted message: metadata nests deeper than {MAX_META_DEPTH} levels")
     try:
-        meta = json.loads(bytes(raw).decode("utf-8"))
+        meta = json.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as e:  # ValueError: bad JSON, an int over 4300 digits
         raise FrameError(f"corrupted message: metadata is not JSON ({type(e).__name__}: {e})") from None
     if not isinstance(meta, dict):
