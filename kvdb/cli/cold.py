@@ -20,7 +20,8 @@ key_file_option = click.option("--encryption-key-file", type=click.Path(exists=T
                                help="AES-256 key file the store was created with")
 
 
-def _layout(path: str):
+def read_layout(path: str):
+    """The BlockLayout in PATH/MANIFEST.json; InvalidInput when PATH is not a data directory."""
     from kvdb.format.layout import BlockLayout
     from kvdb.errors import InvalidInput
     from kvdb.format.manifest import read_manifest
@@ -31,10 +32,11 @@ def _layout(path: str):
     return BlockLayout.from_dict(m["layout"])
 
 
-def _open(path: str, key_file: str | None, read_only: bool = False):
+def open_store(path: str, key_file: str | None, read_only: bool = False):
+    """The disk tier of PATH (no flusher); ``read_only``: no byte written, no lock taken."""
     from kvdb.cold.store import ColdStore
 
-    return ColdStore.open(path, _layout(path), encryption_key_file=key_file, flush_interval_s=None,
+    return ColdStore.open(path, read_layout(path), encryption_key_file=key_file, flush_interval_s=None,
                           read_only=read_only)
 
 
@@ -77,7 +79,7 @@ def verify_cmd(path: str, encryption_key_file: str | None, as_json: bool) -> Non
 
     live = lock_is_held(path)  # a Db is appending: the last segment's end may be mid-append
     try:
-        store = _open(path, encryption_key_file, read_only=True)
+        store = open_store(path, encryption_key_file, read_only=True)
     except CorruptionError as e:
         report = {"ok": False, "segments": 0, "records": 0, "log_bytes": 0, "entries": 0,
                   "problems": [f"open: {e}"]}
@@ -106,7 +108,7 @@ def _render_verify(r: dict, console) -> None:
 @json_option
 def compact_cmd(path: str, encryption_key_file: str | None, as_json: bool) -> None:
     """Garbage-collect log segments that hold dead blocks."""
-    store = _open(path, encryption_key_file)
+    store = open_store(path, encryption_key_file)
     try:
         with _Bar("compact", not as_json) as bar:
             res = store.compact(progress=bar)

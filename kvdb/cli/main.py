@@ -19,6 +19,7 @@ from kvdb.errors import CorruptionError, KvdbError
 COMMAND_MODULES = [
     "kvdb.cli.store",
     "kvdb.cli.cold",
+    "kvdb.cli.inspect",
     "kvdb.cli.demo",
     "kvdb.cli.replicate",
     "kvdb.cli.sim",
