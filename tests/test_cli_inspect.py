@@ -94,7 +94,7 @@ def test_get_errors(store, tmp_path):
     r = run("get", path, "xyz")
     assert r.exit_code == 2 and "not a block key" in r.output
     r = run("get", path, keys[0], "-o", tmp_path / "missing-dir" / "b.bin")
-    assert r.exit_code == 1 and "kvdb: error: cannot write" in r.output
+    assert r.exit_code == 1 and "kvdb: error: cannot write the block" in r.output
 
 
 def test_ls_get_wal_dump_leave_every_byte_on_a_read_only_copy(store, tmp_path):

@@ -20,24 +20,28 @@ key_file_option = click.option("--encryption-key-file", type=click.Path(exists=T
                                help="AES-256 key file the store was created with")
 
 
-def read_layout(path: str):
-    """The BlockLayout in PATH/MANIFEST.json; InvalidInput when PATH is not a data directory."""
+def read_layout(path: str, with_store_id: bool = False):
+    """The BlockLayout in PATH/MANIFEST.json (and its store id, None for a legacy store, with
+    ``with_store_id``); InvalidInput when PATH is not a data directory."""
     from kvdb.format.layout import BlockLayout
     from kvdb.errors import InvalidInput
-    from kvdb.format.manifest import read_manifest
+    from kvdb.format.manifest import read_manifest, store_id_of
 
     m = read_manifest(path)
     if m is None or "layout" not in m:
         raise InvalidInput(f"{path} is not a kvdb data directory (no MANIFEST.json with a layout)")
-    return BlockLayout.from_dict(m["layout"])
+    layout = BlockLayout.from_dict(m["layout"])
+    return (layout, store_id_of(m, os.path.join(path, "MANIFEST.json"))) if with_store_id else layout
 
 
 def open_store(path: str, key_file: str | None, read_only: bool = False):
-    """The disk tier of PATH (no flusher); ``read_only``: no byte written, no lock taken."""
+    """The disk tier of PATH (no flusher); ``read_only``: no byte written, no lock taken. The
+    index and segments must carry the manifest's store id (CorruptionError otherwise)."""
     from kvdb.cold.store import ColdStore
 
-    return ColdStore.open(path, read_layout(path), encryption_key_file=key_file, flush_interval_s=None,
-                          read_only=read_only)
+    layout, store_id = read_layout(path, with_store_id=True)
+    return ColdStore.open(path, layout, encryption_key_file=key_file, flush_interval_s=None,
+                          read_only=read_only, store_id=store_id)
 
 
 class _Bar:
@@ -124,7 +128,7 @@ def wal() -> None:
 
 @wal.command("dump")
 @click.argument("path", type=click.Path(exists=True, file_okay=False))
-@click.option("--segment", "segment_no", type=int, default=None, help="only this segment")
+@click.option("--segment", "segment_no", type=click.IntRange(min=0), default=None, help="only this segment")
 @json_option
 def wal_dump_cmd(path: str, segment_no: int | None, as_json: bool) -> None:
     """Print the log's records (read-only; damaged spans are listed, never decoded)."""
@@ -163,12 +167,12 @@ def wal_dump_cmd(path: str, segment_no: int | None, as_json: bool) -> None:
 @click.command("cold")
 @click.option("--dir", "dir_path", type=click.Path(exists=True, file_okay=False), default=None,
               help="where to write the scratch files (default: the system temp dir)")
-@click.option("--total-mib", default=512, show_default=True, help="bytes of 2 MiB pages written and read")
-@click.option("--batch-pages", default=32, show_default=True)
-@click.option("--threads", default=8, show_default=True, help="writer threads for the group-commit figure")
-@click.option("--ops", default=400, show_default=True, help="small puts per thread (and for the sync figure)")
-@click.option("--recovery-mib", default=1024, show_default=True, help="log replayed for the recovery figure; 0 skips")
-@click.option("--repeats", default=5, show_default=True, help="bandwidth runs; figures are their medians")
+@click.option("--total-mib", type=click.IntRange(min=1), default=512, show_default=True, help="bytes of 2 MiB pages written and read")
+@click.option("--batch-pages", type=click.IntRange(min=1), default=32, show_default=True)
+@click.option("--threads", type=click.IntRange(min=1), default=8, show_default=True, help="writer threads for the group-commit figure")
+@click.option("--ops", type=click.IntRange(min=1), default=400, show_default=True, help="small puts per thread (and for the sync figure)")
+@click.option("--recovery-mib", type=click.IntRange(min=0), default=1024, show_default=True, help="log replayed for the recovery figure; 0 skips")
+@click.option("--repeats", type=click.IntRange(min=1), default=5, show_default=True, help="bandwidth runs; figures are their medians")
 @json_option
 def bench_cold_cmd(dir_path, total_mib, batch_pages, threads, ops, recovery_mib, repeats, as_json) -> None:
     """Disk tier write / read vs raw write+fsync / read of the same bytes; group vs sync commits."""

@@ -11,7 +11,7 @@ import sys
 
 import click
 
-from kvdb.cli.output import emit, json_option, progress
+from kvdb.cli.output import emit, json_option, progress, writable_file
 
 
 def _need_transformers() -> None:
@@ -22,12 +22,12 @@ def _need_transformers() -> None:
 
 
 @click.command("ttft")
-@click.option("--prompt-tokens", default=8192, show_default=True, help="prompt length")
-@click.option("--stored-fraction", default=7 / 8, show_default=True, type=float, help="share of the prompt stored")
-@click.option("--block-tokens", default=16, show_default=True)
-@click.option("--repeats", default=5, show_default=True, help="rounds; each figure is the best round")
+@click.option("--prompt-tokens", type=click.IntRange(min=1), default=8192, show_default=True, help="prompt length")
+@click.option("--stored-fraction", default=7 / 8, show_default=True, type=click.FloatRange(0, 1), help="share of the prompt stored")
+@click.option("--block-tokens", type=click.IntRange(min=1), default=16, show_default=True)
+@click.option("--repeats", type=click.IntRange(min=1), default=5, show_default=True, help="rounds; each figure is the best round")
 @click.option("--data-dir", type=click.Path(file_okay=False), default=None, help="default: a temporary directory")
-@click.option("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
+@click.option("--threads", type=click.IntRange(min=1), default=None, help="torch intra-op threads (default: torch's choice)")
 @json_option
 def bench_ttft_cmd(prompt_tokens: int, stored_fraction: float, block_tokens: int, repeats: int,
                    data_dir: str | None, threads: int | None, as_json: bool) -> None:
@@ -56,12 +56,12 @@ def bench_ttft_cmd(prompt_tokens: int, stored_fraction: float, block_tokens: int
 @click.command("demo")
 @click.option("--data-dir", type=click.Path(file_okay=False), default="kvdb-demo", show_default=True,
               help="a fresh data directory (emptied first if it holds a previous demo)")
-@click.option("--rounds", default=3, show_default=True, help="planner -> workers -> reviewer rounds")
-@click.option("--workers", default=3, show_default=True, help="parallel worker agents per round")
-@click.option("--chart", "chart_path", type=click.Path(dir_okay=False), default=None,
+@click.option("--rounds", type=click.IntRange(min=1), default=3, show_default=True, help="planner -> workers -> reviewer rounds")
+@click.option("--workers", type=click.IntRange(min=1), default=3, show_default=True, help="parallel worker agents per round")
+@click.option("--chart", "chart_path", type=click.Path(dir_okay=False), default=None, callback=writable_file("the chart"),
               help="PNG chart path (default: DATA_DIR/ttft.png)")
-@click.option("--output-tokens", default=16, show_default=True, help="tokens each call decodes")
-@click.option("--threads", type=int, default=1, show_default=True,
+@click.option("--output-tokens", type=click.IntRange(min=1), default=16, show_default=True, help="tokens each call decodes")
+@click.option("--threads", type=click.IntRange(min=0), default=1, show_default=True,
               help="torch intra-op threads (0: torch's choice); one keeps timings stable on busy machines")
 @click.option("--seed", default=0, show_default=True)
 @json_option

@@ -20,7 +20,7 @@ import time
 import click
 
 from kvdb.cli.cold import key_file_option, open_store
-from kvdb.cli.output import emit, json_option
+from kvdb.cli.output import emit, json_option, writable_file
 
 
 def _view(path: str, store) -> dict:
@@ -102,7 +102,7 @@ def _parse_key(ctx, param, value: str) -> bytes:
 @click.command("get")
 @click.argument("path", type=click.Path(exists=True, file_okay=False))
 @click.argument("key", callback=_parse_key)
-@click.option("-o", "--out", "out_path", type=click.Path(dir_okay=False, writable=True), default=None,
+@click.option("-o", "--out", "out_path", type=click.Path(dir_okay=False), default=None, callback=writable_file("the block"),
               help="write the block's page (page_bytes raw bytes, the layout's shape and dtype) to this file")
 @click.option("--hex-bytes", type=click.IntRange(min=0), default=64, show_default=True,
               help="bytes of the page shown in hex on stdout")

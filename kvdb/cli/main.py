@@ -32,6 +32,29 @@ COMMAND_MODULES = [
 class KvdbGroup(click.Group):
     """Maps kvdb errors to the documented exit codes with a one-line message on stderr."""
 
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        """Click's own errors (a bad option, value or path: exit 2) in kvdb's one-line form,
+        ``kvdb: error: ...``, instead of click's usage block."""
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        try:
+            rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except click.exceptions.NoArgsIsHelpError as e:  # a group run without a command
+            click.echo(e.ctx.get_help(), err=True)
+            click.echo(f"kvdb: error: no command given (see: {e.ctx.command_path} --help)", err=True)
+            sys.exit(2)
+        except click.UsageError as e:
+            hint = f" (see: {e.ctx.command_path} --help)" if e.ctx is not None else ""
+            click.echo(f"kvdb: error: {e.format_message()}{hint}", err=True)
+            sys.exit(2)
+        except click.ClickException as e:  # a file click could not open, ...
+            click.echo(f"kvdb: error: {e.format_message()}", err=True)
+            sys.exit(e.exit_code)
+        except (click.Abort, KeyboardInterrupt, EOFError):
+            click.echo("kvdb: interrupted", err=True)
+            sys.exit(130)
+        sys.exit(rv if isinstance(rv, int) else 0)
+
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)

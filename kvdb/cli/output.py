@@ -50,3 +50,46 @@ def progress(total: int | None, description: str, enabled: bool = True):
     with Progress(console=Console(stderr=True), transient=True) as p:
         task = p.add_task(description, total=total)
         yield lambda n=1: p.advance(task, n)
+
+
+class ByteSize(click.ParamType):
+    """A byte count as operators write it: ``65536``, ``4GiB``, ``512MiB`` (kvdb/sizes.py)."""
+
+    name = "size"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        from kvdb.errors import InvalidInput
+        from kvdb.sizes import parse_size
+
+        try:
+            return parse_size(value, param.opts[0] if param is not None else "size")
+        except InvalidInput as e:
+            self.fail(str(e), param, ctx)
+
+
+BYTE_SIZE = ByteSize()
+
+
+def writable_file(what: str):
+    """A click callback for an output path: its directory must exist and be writable, checked
+    while the options are parsed, so a long run never ends in an unwritable path (exit 1)."""
+
+    def check(ctx, param, value):
+        if value is None:
+            return value
+        import os
+
+        from kvdb.errors import KvdbError
+
+        parent = os.path.dirname(os.path.abspath(value)) or "."
+        if not os.path.isdir(parent):
+            reason = f"no directory {parent}"
+        elif not os.access(parent, os.W_OK) or (os.path.exists(value) and not os.access(value, os.W_OK)):
+            reason = "permission denied"
+        else:
+            return value
+        raise KvdbError(f"cannot write {what} to {value!r}: {reason}")
+
+    return check

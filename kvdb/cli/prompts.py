@@ -30,9 +30,9 @@ def _render_table(res: dict, console) -> None:
 @click.command("cache-break")
 @click.option("--seed", "seeds", type=int, multiple=True, help="workload seed (repeatable; default 41 42 43)")
 @click.option("--level", "levels", multiple=True, help="noise level: low, mid, high, max (repeatable; default all)")
-@click.option("--sessions", type=int, help="sessions per workload (default 10)")
-@click.option("--calls", type=int, help="calls per session (default 20)")
-@click.option("--block-tokens", default=16, show_default=True, help="tokens per KV block")
+@click.option("--sessions", type=click.IntRange(min=1), help="sessions per workload (default 10)")
+@click.option("--calls", type=click.IntRange(min=1), help="calls per session (default 20)")
+@click.option("--block-tokens", type=click.IntRange(min=1), default=16, show_default=True, help="tokens per KV block")
 @json_option
 def bench_cache_break_cmd(seeds, levels, sessions, calls, block_tokens, as_json) -> None:
     """Hit rate of a noisy MCP-like workload: clean / raw / canonical / first-seen rendering,

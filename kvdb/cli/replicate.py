@@ -10,7 +10,7 @@ import threading
 
 import click
 
-from kvdb.cli.output import emit, json_option
+from kvdb.cli.output import BYTE_SIZE, emit, json_option
 
 
 @click.group("replicate")
@@ -67,9 +67,11 @@ def _positive_seconds(v: float) -> float:
 @click.option("--secret-file", required=True, type=click.Path(dir_okay=False), help="shared secret of the cluster")
 @click.option("--transport", type=click.Choice(["auto", "mooncake", "tcp"]), default="auto", show_default=True)
 @click.option("--node", default=None, help="this node's name (default: its address)")
-@click.option("--host-bytes", default=1 << 30, show_default=True, help="host tier capacity")
-@click.option("--disk-bytes", default=None, type=int, help="disk tier capacity (0: memory only; default: the Db's)")
-@click.option("--encryption-key-file", default=None, type=click.Path(dir_okay=False),
+@click.option("--host-bytes", type=BYTE_SIZE, default="1GiB", show_default=True,
+              help="host tier capacity in bytes (an int or a size like 4GiB)")
+@click.option("--disk-bytes", default=None, type=BYTE_SIZE,
+              help="disk tier capacity in bytes, or a size like 100GiB (0: memory only; default: the Db's)")
+@click.option("--encryption-key-file", default=None, type=click.Path(exists=True, dir_okay=False),
               help="AES-256 key of the disk tier (a follower of an encrypted leader needs the leader's key)")
 @click.option("--layout", "layout_json", default=None, help="layout JSON for a new data directory")
 @click.option("--model-id", default=None, help="model id for a new data directory")
@@ -197,11 +199,11 @@ def _render_status(s: dict, console) -> None:
 
 
 @click.command("replication")
-@click.option("--blocks", default=64, show_default=True, help="2 MiB blocks per round")
-@click.option("--repeats", default=3, show_default=True)
+@click.option("--blocks", type=click.IntRange(min=1), default=64, show_default=True, help="2 MiB blocks per round")
+@click.option("--repeats", type=click.IntRange(min=1), default=3, show_default=True)
 @click.option("--transport", type=click.Choice(["auto", "mooncake", "tcp"]), default="auto", show_default=True)
-@click.option("--chunk-mib", default=32, show_default=True, help="MiB per push chunk")
-@click.option("--window", default=4, show_default=True, help="push chunks sent and not yet acknowledged")
+@click.option("--chunk-mib", type=click.IntRange(min=1), default=32, show_default=True, help="MiB per push chunk")
+@click.option("--window", type=click.IntRange(min=1), default=4, show_default=True, help="push chunks sent and not yet acknowledged")
 @json_option
 def bench_replication_cmd(blocks: int, repeats: int, transport: str, chunk_mib: int, window: int,
                           as_json: bool) -> None:

@@ -11,10 +11,10 @@ from kvdb.cli.output import emit, json_option, progress
 @click.command("scale")
 @click.option("--dir", "dir_path", type=click.Path(exists=True, file_okay=False), default=None,
               help="where to write the scratch files (default: the system temp dir)")
-@click.option("--total-mib", default=256, show_default=True, help="bytes of 64 KiB pages read in batches")
-@click.option("--batch-pages", default=256, show_default=True, help="pages per get_blocks call (batch reads)")
-@click.option("--get1-blocks", default=256, show_default=True, help="one-block reads timed per repeat")
-@click.option("--repeats", default=3, show_default=True, help="runs per phase; figures are their medians")
+@click.option("--total-mib", type=click.IntRange(min=1), default=256, show_default=True, help="bytes of 64 KiB pages read in batches")
+@click.option("--batch-pages", type=click.IntRange(min=1), default=256, show_default=True, help="pages per get_blocks call (batch reads)")
+@click.option("--get1-blocks", type=click.IntRange(min=1), default=256, show_default=True, help="one-block reads timed per repeat")
+@click.option("--repeats", type=click.IntRange(min=1), default=3, show_default=True, help="runs per phase; figures are their medians")
 @json_option
 def bench_scale_cmd(dir_path, total_mib, batch_pages, get1_blocks, repeats, as_json) -> None:
     """Disk-tier reads (batched and one block per call, cold) vs preadv / one file per block."""

@@ -9,6 +9,7 @@ from contextlib import nullcontext
 import click
 
 from kvdb.errors import InvalidInput
+from kvdb.cli.output import writable_file
 
 
 def _progress(total: int, enabled: bool):
@@ -41,14 +42,14 @@ def _progress(total: int, enabled: bool):
 @click.option("--capacity-fraction", "fractions", type=click.FloatRange(0, 1, min_open=True), multiple=True,
               help="capacity as a share of the trace's distinct blocks (repeatable)")
 @click.option("--timed", is_flag=True, help="timed replay (TTFT, job completion time) instead of hit ratios")
-@click.option("--host-factor", type=float, default=4.0, show_default=True,
+@click.option("--host-factor", type=click.FloatRange(min=0), default=4.0, show_default=True,
               help="--timed: host tier capacity as a multiple of the device capacity")
-@click.option("--disk-factor", type=float, default=0.0, show_default=True,
+@click.option("--disk-factor", type=click.FloatRange(min=0), default=0.0, show_default=True,
               help="--timed: disk tier capacity as a multiple of the device capacity (0: no disk tier)")
 @click.option("--json", "as_json", is_flag=True, help="print a JSON list, one object per (policy, capacity)")
-@click.option("--per-request-out", type=click.Path(dir_okay=False),
+@click.option("--per-request-out", type=click.Path(dir_okay=False), callback=writable_file("the per-request lines"),
               help="write one JSON line per (policy, capacity, call), calls in trace order: its hit blocks")
-@click.option("--plot", type=click.Path(dir_okay=False), help="draw hit ratio against capacity per policy (PNG)")
+@click.option("--plot", type=click.Path(dir_okay=False), callback=writable_file("the plot"), help="draw hit ratio against capacity per policy (PNG)")
 def sim_cmd(trace, policies, capacities, fractions, timed, host_factor, disk_factor, as_json, per_request_out, plot):
     """Replay TRACE (Mooncake or kvdb JSONL) under each policy and capacity."""
     from kvdb.planner.policies import POLICIES
@@ -131,15 +132,16 @@ def _plot(rows, path):
 @click.command("gen")
 @click.option("--params", "params_path", type=click.Path(exists=True, dir_okay=False), help="JSON parameters (tools/workflows/agents.json)")
 @click.option("--seed", type=int, help="override the seed")
-@click.option("--sessions", type=int, help="override the number of sessions")
+@click.option("--sessions", type=click.IntRange(min=1), help="override the number of sessions")
 @click.option("--no-hints", is_flag=True, help="emit no hints")
-@click.option("--hint-noise", type=float, help="sigma of the hints' log-normal noise")
+@click.option("--hint-noise", type=click.FloatRange(min=0), help="sigma of the hints' log-normal noise")
 @click.option("--prompts", is_flag=True,
               help="write a prompt trace instead (MCP-like tools and messages: kvdb/sim/prompt_gen.py)")
-@click.option("--tool-order-churn", type=float, help="--prompts: probability per call that the tool lists arrive reordered")
-@click.option("--json-key-noise", type=float, help="--prompts: probability per call of a random key order in every JSON object")
-@click.option("--tool-list-change", type=float, help="--prompts: probability per call that a tool is added or removed")
-@click.option("-o", "--out", "out_path", type=click.Path(dir_okay=False), required=True, help="trace file to write")
+@click.option("--tool-order-churn", type=click.FloatRange(0, 1), help="--prompts: probability per call that the tool lists arrive reordered")
+@click.option("--json-key-noise", type=click.FloatRange(0, 1), help="--prompts: probability per call of a random key order in every JSON object")
+@click.option("--tool-list-change", type=click.FloatRange(0, 1), help="--prompts: probability per call that a tool is added or removed")
+@click.option("-o", "--out", "out_path", type=click.Path(dir_okay=False), required=True,
+              callback=writable_file("the trace"), help="trace file to write")
 @click.option("--json", "as_json", is_flag=True, help="print a JSON summary")
 def gen_cmd(params_path, seed, sessions, no_hints, hint_noise, prompts, tool_order_churn, json_key_noise,
             tool_list_change, out_path, as_json):

@@ -54,9 +54,9 @@ def bench() -> None:
 
 
 @bench.command("datapath")
-@click.option("--batch", default=64, show_default=True, help="blocks per put / get")
-@click.option("--repeats", default=5, show_default=True)
-@click.option("--meta-blocks", default=1_000_000, show_default=True, help="tiny blocks resident for the metadata figure")
+@click.option("--batch", type=click.IntRange(min=1), default=64, show_default=True, help="blocks per put / get")
+@click.option("--repeats", type=click.IntRange(min=1), default=5, show_default=True)
+@click.option("--meta-blocks", type=click.IntRange(min=0), default=1_000_000, show_default=True, help="tiny blocks resident for the metadata figure")
 @json_option
 def bench_datapath(batch: int, repeats: int, meta_blocks: int, as_json: bool) -> None:
     """Host-tier put / get of 2 MiB blocks vs torch copy_ of the same bytes; metadata bytes per block."""
@@ -69,8 +69,8 @@ def bench_datapath(batch: int, repeats: int, meta_blocks: int, as_json: bool) ->
 
 
 @bench.command("keys")
-@click.option("--prompt-tokens", default=131072, show_default=True)
-@click.option("--block-tokens", default=16, show_default=True)
+@click.option("--prompt-tokens", type=click.IntRange(min=1), default=131072, show_default=True)
+@click.option("--block-tokens", type=click.IntRange(min=1), default=16, show_default=True)
 @json_option
 def bench_keys_cmd(prompt_tokens: int, block_tokens: int, as_json: bool) -> None:
     """Block keys for a long prompt vs hashlib SHA-256 over the same token bytes."""
