@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import importlib
 import os
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from kvdb import errors
 
 if TYPE_CHECKING:
+    import torch
+
+    from kvdb.buffer_pool.replacer import Replacer
     from kvdb.db import Db, PinnedPages
     from kvdb.format.layout import BlockLayout
     from kvdb.types import BlockKey
@@ -46,13 +49,49 @@ def __dir__() -> list[str]:
 def open(  # noqa: A001 - mirrors sqlite3.connect / rocksdb open
     path: str | os.PathLike,
     *,
+    layout: BlockLayout | None = None,
+    model_id: str | None = None,
+    host_bytes: int | str = 1 << 30,
+    device_bytes: int | str = 0,
+    device: str | torch.device | None = None,
+    replacer: str | Callable[[int], Replacer] = "lru",
+    durability: str = "none",
+    disk_bytes: int | str | None = None,
+    codec: str = "raw",
+    encryption_key_file: str | os.PathLike | None = None,
+    key_secret: bytes | None = None,
+    key_algo: str = "sha256",
+    model_revision: str | None = None,
+    tp_rank: int | None = None,
+    tp_size: int | None = None,
+    pp_rank: int | None = None,
+    pp_size: int | None = None,
+    device_free_fraction: float = 0.0,
+    clock: Callable[[], float] | None = None,
+    session_idle_s: float | None = 3600.0,
+    max_space_amp: float | None = 2.0,
+    read_only: bool = False,
     peers: Sequence[str] = (),
     replicas: Sequence[str] = (),
     replication_secret_file: str | os.PathLike | None = None,
     replication_transport: str | None = None,
-    **kwargs,
 ) -> Db:
-    """Open (creating when new) the kvdb data directory at ``path``. See :class:`Db` for options.
+    """Open (creating when new) the kvdb data directory at ``path``.
+
+    A new directory needs ``layout`` (a :class:`BlockLayout`) and ``model_id``; a reopened one
+    takes both from its ``MANIFEST.json`` and refuses different ones. Tiers: ``host_bytes``,
+    ``device_bytes`` (on ``device``; a device tier needs CUDA unless ``device="cpu"``) and
+    ``disk_bytes`` (None: unbounded; 0: no disk tier), each an int or a string such as "4GiB".
+    ``replacer`` picks the eviction policy (a name from kvdb/planner/policies/ or a factory
+    ``num_frames -> Replacer``); ``durability`` the default of ``put_blocks`` ("none", "group",
+    "sync"); ``codec`` ("raw", "zstd") and ``encryption_key_file`` the disk tier's payloads.
+    Keys: ``key_secret`` (default: the directory's ``KEY_SECRET``), ``key_algo``,
+    ``model_revision`` and the parallel ranks ``tp_rank`` / ``tp_size`` / ``pp_rank`` /
+    ``pp_size`` (0 <= rank < size) namespace them. ``device_free_fraction``: device frames kept
+    free by demotion; ``clock``: the plans' time base (default ``time.monotonic``);
+    ``session_idle_s``: idle sessions end after it (None: never); ``max_space_amp``: the disk
+    tier compacts past it (None: only ``kvdb compact``); ``read_only``: inspection, no byte
+    written. Every option is documented with :class:`Db` (kvdb/db/core.py).
 
     Replication (kvdb/replication/, attached to the Db from above): ``peers`` ("host:port")
     serve local lookup misses, ``replicas`` are followers the log ships to, both with the
@@ -60,7 +99,12 @@ def open(  # noqa: A001 - mirrors sqlite3.connect / rocksdb open
     plane ("auto", "mooncake", "tcp": kvdb/replication/transport.py)."""
     from kvdb.db import Db
 
-    db = Db(path, **kwargs)
+    db = Db(path, layout=layout, model_id=model_id, host_bytes=host_bytes, device_bytes=device_bytes, device=device,
+            replacer=replacer, key_secret=key_secret, key_algo=key_algo, model_revision=model_revision,
+            tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size, durability=durability,
+            disk_bytes=disk_bytes, codec=codec, encryption_key_file=encryption_key_file,
+            device_free_fraction=device_free_fraction, clock=clock, session_idle_s=session_idle_s,
+            max_space_amp=max_space_amp, read_only=read_only)
     if peers or replicas or replication_secret_file is not None:
         try:
             from kvdb.replication.attach import attach_replication  # only for a replicated Db

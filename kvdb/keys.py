@@ -25,7 +25,11 @@ Tenants
 
 Engine keys
     Engines that hash blocks themselves (vLLM, SGLang) pass their own hashes;
-    ``engine_keys`` maps each into the tenant's namespace as H(ns || "engine" || hash).
+    ``engine_keys`` maps each into the tenant's namespace. Bytes hashes (vLLM v1) and int
+    hashes (older engines) are distinct namespaces, so 1 and b"\\x01" never share a key:
+        bytes h  ->  H(ns || "engine" 0x00 || h)
+        int h    ->  H(ns || "engine-int" 0x00 || h as signed little-endian, shortest form)
+    (the two inputs differ at the byte after "engine"). Anything else is InvalidInput.
 
 Segment keys
     A rendered prompt's segments (kvdb/prompts: the system prompt, one tool, one message) get
@@ -108,9 +112,39 @@ def namespace_digest(
     return h.digest()[:KEY_BYTES]
 
 
-def tenant_salt(key_secret: bytes, tenant: str) -> bytes:
+def check_tenant(tenant) -> str:
+    """``tenant`` if it is a non-empty string that UTF-8 can encode (a lone surrogate such as
+    "\\ud800" cannot); InvalidInput otherwise."""
     if not isinstance(tenant, str) or not tenant:
         raise InvalidInput(f"tenant must be a non-empty string, got {tenant!r}")
+    try:
+        tenant.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidInput(f"tenant {tenant!r} is not valid Unicode text (UTF-8 cannot encode {e.object[e.start:e.end]!r} "
+                           f"at position {e.start}); pass a string without lone surrogates") from None
+    return tenant
+
+
+#: the largest tensor / pipeline parallel size a namespace takes (far beyond any deployment)
+MAX_PARALLEL = 1 << 20
+
+
+def check_ranks(rank, size, kind: str) -> None:
+    """A tensor (``kind`` "tp") or pipeline ("pp") rank and size, where given: 1 <= size <=
+    MAX_PARALLEL, 0 <= rank (< size when both are given); InvalidInput otherwise. Their types
+    are checked with the other namespace fields (``_field``: ints or None)."""
+    def given(v) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    if given(size) and not 1 <= size <= MAX_PARALLEL:
+        raise InvalidInput(f"{kind}_size must be in [1, {MAX_PARALLEL}], got {size!r}")
+    if given(rank) and not 0 <= rank < (size if given(size) else MAX_PARALLEL):
+        bound = f"{kind}_size - 1 = {size - 1}" if given(size) else MAX_PARALLEL - 1
+        raise InvalidInput(f"{kind}_rank must be in [0, {bound}], got {rank!r}")
+
+
+def tenant_salt(key_secret: bytes, tenant: str) -> bytes:
+    check_tenant(tenant)
     return hmac.new(key_secret, b"tenant\x00" + tenant.encode("utf-8"), hashlib.sha256).digest()[:KEY_BYTES]
 
 
@@ -186,6 +220,8 @@ class KeySpace:
             raise InvalidInput(f"unknown key algorithm {algo!r}; one of {ALGORITHMS}")
         if not isinstance(key_secret, (bytes, bytearray)) or len(key_secret) < 16:
             raise InvalidInput("key_secret must be at least 16 bytes")
+        check_ranks(tp_rank, tp_size, "tp")
+        check_ranks(pp_rank, pp_size, "pp")
         self.layout = layout
         self.algo = algo
         self._secret = bytes(key_secret)
@@ -243,18 +279,22 @@ class KeySpace:
         return segment_key(self.namespace(tenant), as_token_array(token_ids).tobytes())
 
     def engine_keys(self, hashes: Iterable[int | bytes], tenant: str = DEFAULT_TENANT) -> list[BlockKey]:
-        """Map an engine's own block hashes (ints or bytes) into the tenant's namespace."""
+        """Map an engine's own block hashes (ints or bytes) into the tenant's namespace; an int
+        and a bytes hash never map to the same key (see "Engine keys" above)."""
+        if isinstance(hashes, (bytes, bytearray, str)) or not isinstance(hashes, Iterable):
+            raise InvalidInput(f"hashes must be a sequence of engine block hashes (ints or bytes), "
+                               f"got one {type(hashes).__name__}")
         ns = self.namespace(tenant)
         out = []
         for h in hashes:
             if isinstance(h, (bytes, bytearray)):
-                raw = bytes(h)
+                tag, raw = b"engine\x00", bytes(h)
             elif isinstance(h, (int, np.integer)) and not isinstance(h, bool):
                 v = int(h)
-                raw = v.to_bytes(max(1, (v.bit_length() + 8) // 8), "little", signed=True)
+                tag, raw = b"engine-int\x00", v.to_bytes(max(1, (v.bit_length() + 8) // 8), "little", signed=True)
             else:
                 raise InvalidInput(f"engine hash must be int or bytes, got {type(h).__name__}")
-            out.append(BlockKey(hashlib.sha256(ns + b"engine\x00" + raw).digest()[:KEY_BYTES]))
+            out.append(BlockKey(hashlib.sha256(ns + tag + raw).digest()[:KEY_BYTES]))
         return out
 
 
@@ -264,8 +304,10 @@ def normalize_keys(keys) -> list[BlockKey]:
         if keys.dtype != np.uint8 or keys.ndim != 2 or keys.shape[1] != KEY_BYTES:
             raise InvalidInput(f"a key array must be uint8 [n, {KEY_BYTES}], got {keys.dtype} {keys.shape}")
         return split_keys(keys.tobytes())
-    if isinstance(keys, (bytes, bytearray)):
-        raise InvalidInput("keys must be a sequence of 16-byte keys, not one bytes object")
+    if isinstance(keys, (bytes, bytearray, memoryview, str)):
+        raise InvalidInput(f"keys must be a sequence of {KEY_BYTES}-byte keys, not one {type(keys).__name__} object")
+    if not isinstance(keys, Iterable):
+        raise InvalidInput(f"keys must be a sequence of {KEY_BYTES}-byte keys, got {type(keys).__name__}")
     out: Sequence = keys if isinstance(keys, list) else list(keys)
     for k in out:
         if type(k) is not bytes or len(k) != KEY_BYTES:

@@ -96,7 +96,7 @@ def test_namespace_and_chain_match_the_documented_format():
     # engine keys
     assert ks.engine_keys([b"\x01\x02", 7], tenant="acme") == [
         hashlib.sha256(acme + b"engine\x00" + b"\x01\x02").digest()[:16],
-        hashlib.sha256(acme + b"engine\x00" + b"\x07").digest()[:16],
+        hashlib.sha256(acme + b"engine-int\x00" + b"\x07").digest()[:16],
     ]
 
 
@@ -241,7 +241,7 @@ def test_namespace_fields_cannot_collide():
     assert keys(tp_rank=0) != base
     assert keys(tp_rank=1, tp_size=None) != keys(tp_rank=None, tp_size=1)
     assert keys(pp_rank=1) != keys(tp_rank=1)
-    assert len({bytes(k[0]) for k in [base, keys(model_revision=""), keys(tp_rank=0), keys(tp_size=0)]}) == 4
+    assert len({bytes(k[0]) for k in [base, keys(model_revision=""), keys(tp_rank=0), keys(tp_size=1)]}) == 4
 
 
 @pytest.mark.parametrize(

@@ -15,6 +15,8 @@ from kvdb.buffer_pool.replacer import Replacer
 
 DEVICE, HOST = 0, 1
 TIER_NAMES = ("device", "host")
+#: the deepest block position a frame records (``positions`` is an int32 array); callers check it
+MAX_POSITION = 2**31 - 1
 
 
 @dataclass
@@ -41,7 +43,7 @@ class Tier:
         self.free = list(range(n - 1, -1, -1))
         self.keys: list = [None] * n  # frame -> key (the same bytes object as the table's)
         self.pins = array("i", [0]) * n  # frame -> pin count
-        self.positions = array("i", [-1]) * n  # frame -> block depth in its chain (-1 unknown)
+        self.positions = array("i", [-1]) * n  # frame -> block depth in its chain (-1 unknown), <= MAX_POSITION
         self.dirty = bytearray(n)  # frame -> 1 when the page is not yet in the cold tier
         self.reserved: set[int] = set()  # frames lent out to be written in place (P6)
 

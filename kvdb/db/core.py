@@ -47,7 +47,7 @@ from typing import Callable
 import torch
 
 from kvdb.buffer_pool.pool import BufferPool
-from kvdb.buffer_pool.replacer import Replacer
+from kvdb.buffer_pool.replacer import AccessContext, Replacer
 from kvdb.db.attached import AttachedMixin
 from kvdb.db.landing import LandingMixin
 from kvdb.db.mover import Mover
@@ -68,7 +68,7 @@ from kvdb.db.read import ReadMixin
 from kvdb.db.write import WriteMixin
 from kvdb.errors import CapacityError, DbFailedError, InvalidInput, KvdbError, StorageIOError
 from kvdb.format.layout import BlockLayout
-from kvdb.keys import DEFAULT_TENANT
+from kvdb.keys import DEFAULT_TENANT, check_ranks
 from kvdb.planner import Planner
 from kvdb.prompts.book import PromptBook
 from kvdb.types import DURABILITIES, BlockKey
@@ -85,6 +85,26 @@ _OPEN_DBS: "weakref.WeakSet[Db]" = weakref.WeakSet()
 def _close_open_dbs() -> None:
     for db in list(_OPEN_DBS):
         db._close_unclosed("at interpreter exit")
+
+
+def check_early(tp_rank, tp_size, pp_rank, pp_size, device_free_fraction, session_idle_s, max_space_amp) -> None:
+    """Options checked before the directory is touched (no mkdir, no lock, no secret written):
+    parallel ranks (kvdb/keys.py ``check_ranks``) and the fractional options -- real numbers
+    only, and an int past float's range (10**400) is InvalidInput, not an OverflowError."""
+    check_ranks(tp_rank, tp_size, "tp")
+    check_ranks(pp_rank, pp_size, "pp")
+    for name, v in (("device_free_fraction", device_free_fraction), ("session_idle_s", session_idle_s),
+                    ("max_space_amp", max_space_amp)):
+        if v is None and name != "device_free_fraction":
+            continue
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise InvalidInput(f"{name} must be a number, got {type(v).__name__}")
+        try:
+            float(v)
+        except OverflowError:
+            raise InvalidInput(f"{name}={v!r:.40} is past the range of a float") from None
+    if not 0.0 <= device_free_fraction < 1.0:
+        raise InvalidInput(f"device_free_fraction must be in [0, 1), got {device_free_fraction!r}")
 
 
 class Db(WriteMixin, ReadMixin, MovesMixin, LandingMixin, PlansMixin, AttachedMixin):
@@ -131,6 +151,7 @@ class Db(WriteMixin, ReadMixin, MovesMixin, LandingMixin, PlansMixin, AttachedMi
         self._init_attached()
         self._prompts = PromptBook()  # rendered prompts: break accounting, near matches (kvdb/prompts/book.py)
         host_bytes, device_bytes, disk_bytes = check_sizes(host_bytes, device_bytes, disk_bytes)  # "4GiB" or ints
+        check_early(tp_rank, tp_size, pp_rank, pp_size, device_free_fraction, session_idle_s, max_space_amp)
         # the disk tier compacts on its own past this space amplification (kvdb/cold/store.py)
         self._max_space_amp = check_options(durability, host_bytes, device_bytes, session_idle_s, max_space_amp)
         # a session idle this long is ended by the mover (kvdb/db/plans/expiry.py S1-S3)
@@ -157,8 +178,6 @@ class Db(WriteMixin, ReadMixin, MovesMixin, LandingMixin, PlansMixin, AttachedMi
     def _open(self, layout, model_id, host_bytes, device_bytes, device, replacer, key_secret, key_algo,
               ns_extra, durability, disk_bytes, codec, encryption_key_file, device_free_fraction) -> None:
         """Steps 3-4 of the open (kvdb/db/open.py), under the directory's lock."""
-        if not 0.0 <= device_free_fraction < 1.0:
-            raise InvalidInput(f"device_free_fraction must be in [0, 1), got {device_free_fraction!r}")
         self.keyspace, self.layout, self.model_id = open_keyspace(self.path, layout, model_id, key_secret,
                                                                   key_algo, ns_extra, self.read_only)
         self.default_durability = durability
@@ -268,6 +287,13 @@ class Db(WriteMixin, ReadMixin, MovesMixin, LandingMixin, PlansMixin, AttachedMi
         self._check()
         if self.read_only:
             raise InvalidInput(f"{self.path} is open read_only; open it without read_only=True to write")
+
+    @staticmethod
+    def _check_ctx(ctx) -> None:
+        """``ctx``: None or the AccessContext of ``call_started`` (checked before anything changes)."""
+        if ctx is not None and not isinstance(ctx, AccessContext):
+            raise InvalidInput(f"ctx must be the context call_started returned (an AccessContext) or None, "
+                               f"got {type(ctx).__name__}")
 
     def _fail(self, err: BaseException) -> None:
         self._state = "failed"

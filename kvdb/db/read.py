@@ -47,6 +47,7 @@ class ReadMixin:
         this stored?" without making it look recently used)."""
         self._check()
         keys = normalize_keys(keys)
+        self._check_ctx(ctx)
         with self._lock:
             tiers = self.pool.tiers_of(keys)
             on_disk = [False] * len(keys)
@@ -167,6 +168,7 @@ class ReadMixin:
         keys = normalize_keys(keys)
         n = len(keys)
         dst = self._as_pages(out, n, "out", allow_larger=True)
+        self._check_ctx(ctx)
         with self._lock:
             self._check()
             absent_rows = self.pool.absent_rows(keys)
@@ -216,6 +218,7 @@ class ReadMixin:
         """
         self._check()
         keys = normalize_keys(keys)
+        self._check_ctx(ctx)
         pool = self.pool
         with self._lock:
             self._check()

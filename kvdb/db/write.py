@@ -10,12 +10,13 @@ the Db closes. "group" and "sync" write the page to the disk tier before acknowl
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Iterable, Sequence
 
 import numpy as np
 import torch
 
 from kvdb.buffer_pool.replacer import AccessContext
+from kvdb.buffer_pool.tier import MAX_POSITION
 from kvdb.errors import InvalidInput, StorageIOError
 from kvdb.keys import normalize_keys
 from kvdb.types import DURABILITIES
@@ -39,6 +40,7 @@ class WriteMixin:
         if tier not in (None, "disk"):
             raise InvalidInput(f"tier must be None or 'disk', got {tier!r}")
         durability = self._check_durability(durability, to_disk=tier == "disk")
+        self._check_ctx(ctx)
         if ctx is not None:
             self._note_call_keys(ctx, keys)
 
@@ -55,9 +57,15 @@ class WriteMixin:
     def _check_positions(self, positions, n: int) -> list[int]:
         if positions is None:
             return [-1] * n
+        if isinstance(positions, (str, bytes)) or not isinstance(positions, Iterable):
+            raise InvalidInput(f"positions must be a sequence of {n} ints, got {type(positions).__name__}")
         pos = list(positions)
-        if len(pos) != n or any(not isinstance(p, (int, np.integer)) or isinstance(p, bool) or p < 0 for p in pos):
-            raise InvalidInput(f"positions must be {n} ints >= 0 (block depth of each key)")
+        if len(pos) != n:
+            raise InvalidInput(f"positions has {len(pos)} entries for {n} keys; give one block depth per key")
+        for p in pos:
+            if not isinstance(p, (int, np.integer)) or isinstance(p, bool) or not 0 <= p <= MAX_POSITION:
+                raise InvalidInput(f"positions must be ints in [0, {MAX_POSITION}] (block depth of each key; the "
+                                   f"pool keeps them as int32), got {p!r}")
         return [int(p) for p in pos]
 
     def _check_durability(self, durability: str | None, to_disk: bool = False) -> str:

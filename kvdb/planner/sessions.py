@@ -30,6 +30,7 @@ Every method takes ``now_s`` (seconds, monotone); None reads the planner's clock
 
 from __future__ import annotations
 
+import math
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -37,6 +38,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from kvdb.buffer_pool.replacer import AccessContext, Replacer
 from kvdb.errors import InvalidInput, NotFound
+from kvdb.keys import check_tenant
 from kvdb.planner.events import CallFinished, CallStarted, HintGiven, SessionBegan, SessionEnded
 from kvdb.planner.hints import HintOutcome, check_hints
 from kvdb.planner.workflow import Workflow
@@ -78,6 +80,28 @@ def as_workflow(session_id: str, workflow: Any) -> Workflow | None:
     return Workflow.from_spec(session_id, workflow, where=f"session {session_id!r}")
 
 
+def check_now(now_s: Any) -> float:
+    """A caller's ``now_s``: a finite number of seconds; InvalidInput otherwise."""
+    if isinstance(now_s, bool) or not isinstance(now_s, (int, float)):
+        raise InvalidInput(f"now_s must be a number of seconds or None (the clock), got {type(now_s).__name__}")
+    try:
+        t = float(now_s)
+    except OverflowError:
+        t = math.inf
+    if not math.isfinite(t):
+        raise InvalidInput(f"now_s must be a finite number of seconds, got {now_s!r:.40}")
+    return t
+
+
+def check_session_args(session_id: Any, tenant: Any = None, *, optional: bool = False) -> None:
+    """A session id (a non-empty string; None too when ``optional``) and a tenant (None or a
+    key space's tenant: kvdb/keys.py ``check_tenant``); InvalidInput before anything changes."""
+    if not (optional and session_id is None) and (not isinstance(session_id, str) or not session_id):
+        raise InvalidInput(f"a session id must be a non-empty string, got {session_id!r}")
+    if tenant is not None:
+        check_tenant(tenant)
+
+
 class Planner:
     def __init__(self, replacers: Iterable[Replacer] = (), clock: Callable[[], float] = time.monotonic) -> None:
         self._replacers: list[Replacer] = list(replacers)
@@ -90,7 +114,7 @@ class Planner:
         self._replacers.append(replacer)
 
     def _now(self, now_s: float | None) -> float:
-        return self._clock() if now_s is None else float(now_s)
+        return self._clock() if now_s is None else check_now(now_s)
 
     def now(self, now_s: float | None = None) -> float:
         """``now_s`` when given, else the planner's clock (the engine's time base)."""
@@ -127,8 +151,7 @@ class Planner:
 
     def begin_session(self, session_id: str, *, tenant: str | None = None, workflow: Any = None,
                       now_s: float | None = None) -> Session:
-        if not isinstance(session_id, str) or not session_id:
-            raise InvalidInput(f"a session id must be a non-empty string, got {session_id!r}")
+        check_session_args(session_id, tenant)
         if session_id in self._sessions:
             raise InvalidInput(f"session {session_id!r} is already open; end it before reusing the id")
         wf = as_workflow(session_id, workflow)
@@ -157,11 +180,12 @@ class Planner:
 
     def hint(self, session_id: str, *, now_s: float | None = None, **hints: Any) -> list[HintOutcome]:
         """Advisory hints between calls; each gets an outcome (accepted / clipped / rejected)."""
+        now = self._now(now_s)
         s = self.get_session(session_id)
         usable, outcomes = check_hints(hints)
         self._record(outcomes)
         s.hints.update(usable)
-        s.last_active_s = now = self._now(now_s)
+        s.last_active_s = now
         if "ttl_s" in usable:
             s.ttl_s = float(usable["ttl_s"])
         if usable:
@@ -172,12 +196,16 @@ class Planner:
                      tenant: str | None = None, hints: Mapping[str, Any] | None = None,
                      positions: Sequence[int] | None = None,
                      now_s: float | None = None) -> tuple[AccessContext, list[HintOutcome]]:
-        """A call arrived: returns the AccessContext for the replacer and the hint outcomes."""
+        """A call arrived: returns the AccessContext for the replacer and the hint outcomes.
+        Every argument is checked before anything changes (no session opened, nothing counted)."""
         now = self._now(now_s)
+        check_session_args(session_id, tenant, optional=True)
         usable, outcomes = check_hints(hints or {})
+        s = None if session_id is None else self._sessions.get(session_id)
+        if s is not None and node_id is not None and s.workflow is not None and node_id not in s.workflow.nodes:
+            raise InvalidInput(f"session {session_id!r}: node {node_id!r} is not in its declared workflow")
         self._record(outcomes)
         if session_id is not None:
-            s = self._sessions.get(session_id)
             if s is None:
                 s = self.begin_session(session_id, tenant=tenant, now_s=now)
             s.num_calls += 1
@@ -185,8 +213,6 @@ class Planner:
             if "ttl_s" in usable:
                 s.ttl_s = float(usable["ttl_s"])
             if node_id is not None and s.workflow is not None:
-                if node_id not in s.workflow.nodes:
-                    raise InvalidInput(f"session {session_id!r}: node {node_id!r} is not in its declared workflow")
                 if agent_id is None:
                     agent_id = s.workflow.nodes[node_id].agent_id
             tenant = tenant if tenant is not None else s.tenant
@@ -198,6 +224,7 @@ class Planner:
     def call_finished(self, session_id: str | None, *, node_id: str | None = None, agent_id: str | None = None,
                       hints: Mapping[str, Any] | None = None, now_s: float | None = None) -> None:
         now = self._now(now_s)
+        check_session_args(session_id, optional=True)
         if session_id is not None:
             s = self._sessions.get(session_id)
             if s is not None:
@@ -209,9 +236,10 @@ class Planner:
         self._emit(CallFinished(session_id, now, node_id, agent_id, dict(hints or {})))
 
     def end_session(self, session_id: str, *, now_s: float | None = None) -> None:
+        now = self._now(now_s)
         self.get_session(session_id)
         del self._sessions[session_id]
-        self._emit(SessionEnded(session_id, self._now(now_s)))
+        self._emit(SessionEnded(session_id, now))
 
     def expire_session(self, session_id: str, *, now_s: float | None = None) -> None:
         """End an idle session exactly as ``end_session`` does, and remember that it expired."""

@@ -68,8 +68,13 @@ class Workflow:
                 raise InvalidInput(f"{where}: node {nid!r}: kind {kind!r} is not one of {KINDS}")
             dur = spec.get("expected_duration_s")
             if dur is not None:
-                if not isinstance(dur, (int, float)) or isinstance(dur, bool) or not math.isfinite(dur) or dur < 0:
-                    raise InvalidInput(f"{where}: node {nid!r}: expected_duration_s must be a finite number >= 0, got {dur!r}")
+                try:  # an int past float's range (10**400) is refused too, not an OverflowError
+                    ok = isinstance(dur, (int, float)) and not isinstance(dur, bool) and dur >= 0 and math.isfinite(dur)
+                except OverflowError:
+                    ok = False
+                if not ok:
+                    raise InvalidInput(f"{where}: node {nid!r}: expected_duration_s must be a finite number >= 0, "
+                                       f"got {dur!r:.40}")
                 dur = float(dur)
             agent = spec.get("agent_id")
             by_id[nid] = Node(nid, None if agent is None else str(agent), tuple(str(d) for d in deps), kind, dur)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import threading
 
 from kvdb.errors import InvalidInput
+from kvdb.keys import normalize_keys
 from kvdb.prompts.breaks import BreakBook, CallBreaks
 from kvdb.prompts.near import NearMatch, SegmentIndex, near_match
 from kvdb.prompts.render import Rendered
@@ -40,7 +41,7 @@ class PromptBook:
         r = self._keyed(db, rendered, tenant)
         if session_id is not None and (not isinstance(session_id, str) or not session_id):
             raise InvalidInput(f"session_id must be a non-empty string or None, got {session_id!r}")
-        blocks = db.block_keys(r.array, tenant) if block_keys is None else list(block_keys)
+        blocks = db.block_keys(r.array, tenant) if block_keys is None else normalize_keys(block_keys)
         with self._lock:
             self._index.add(r, blocks, db.layout.block_tokens)
             return None if session_id is None else self._breaks.observe(session_id, r)

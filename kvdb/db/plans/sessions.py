@@ -27,6 +27,7 @@ from kvdb.db.plans.waits import WaitsMixin
 from kvdb.errors import InvalidInput
 from kvdb.keys import DEFAULT_TENANT
 from kvdb.planner.hints import REJECTED, HintOutcome
+from kvdb.planner.sessions import check_now, check_session_args
 
 STAT_NAMES = ("waits", "replanned_waits", "planned_offloads", "planned_offload_blocks", "planned_disk_offload_blocks",
               "planned_prefetches", "planned_prefetch_blocks", "planned_prefetch_hits", "planned_prefetch_misses",
@@ -51,6 +52,8 @@ class PlansMixin(ChainsMixin, WaitsMixin, PrefixesMixin, ExpiryMixin):
         tool waits: a list of ``{"id", "agent_id", "deps"}`` nodes or ``{"nodes": [...]}``) and
         hints (e.g. ``prefix_hash``); returns the hints' outcomes."""
         self._check()
+        if hints is not None and not isinstance(hints, Mapping):  # before the session opens
+            raise InvalidInput(f"hints must be a mapping of hint name to value, got {type(hints).__name__}")
         with self._lock:
             self.planner.begin_session(session_id, tenant=tenant, workflow=workflow, now_s=now_s)
             self._watch_idle(session_id)
@@ -117,6 +120,8 @@ class PlansMixin(ChainsMixin, WaitsMixin, PrefixesMixin, ExpiryMixin):
         on a tool (E1-E2); a session's workflow does the same from its tool nodes. Returns the
         outcomes of those hints."""
         self._check()
+        now_s = None if now_s is None else check_now(now_s)
+        check_session_args(session_id, optional=True)
         with self._lock:
             outcomes = []
             if hints:
