@@ -10,6 +10,7 @@ import click
 
 from kvdb.errors import InvalidInput
 from kvdb.cli.output import writable_file
+from kvdb.sim.shapes import PRESETS
 
 
 def _progress(total: int, enabled: bool):
@@ -139,21 +140,52 @@ def _plot(rows, path):
               help="write a prompt trace instead (MCP-like tools and messages: kvdb/sim/prompt_gen.py)")
 @click.option("--tool-order-churn", type=click.FloatRange(0, 1), help="--prompts: probability per call that the tool lists arrive reordered")
 @click.option("--json-key-noise", type=click.FloatRange(0, 1), help="--prompts: probability per call of a random key order in every JSON object")
-@click.option("--tool-list-change", type=click.FloatRange(0, 1), help="--prompts: probability per call that a tool is added or removed")
+@click.option("--tool-list-change", type=click.FloatRange(0, 1),
+              help="probability that a tool is added or removed: with --prompts per call; otherwise per session, "
+                   "once, at the start of a round after the first (default 0)")
+@click.option("--shape", type=click.Choice(sorted(PRESETS)),
+              help="a preset of workload shapes (kvdb/sim/shapes.py); the options below override it")
+@click.option("--chain-breaks", type=click.FloatRange(0, 1),
+              help="probability per call that shared context is inserted before the agent's own history (default 0)")
+@click.option("--apps", type=click.IntRange(min=0),
+              help="applications, each with system prompts and a tool-schema block shared by its sessions (default 0: off)")
+@click.option("--app-tool-blocks", type=click.IntRange(min=0),
+              help="--apps: blocks of each app's tool-schema block (default 16)")
+@click.option("--react/--no-react", default=None,
+              help="worker and reviewer nodes as ReAct loops of 1-4 calls, tool waits of median 0.3 / 2 / 15 s "
+                   "between (default off)")
+@click.option("--wait-tail", type=click.Choice(["lognormal", "pareto"]),
+              help="--react: the tail of the tool waits (default lognormal)")
+@click.option("--namespaced-agents/--plain-agents", default=None,
+              help="calls name their agent ns/<session>/<agent>, workflow nodes <agent> (default plain)")
+@click.option("--hint-scale", type=click.FloatRange(0, min_open=True),
+              help="wrong hints: every declared tool duration times this factor (default 1)")
+@click.option("--hint-shuffle", is_flag=True, default=None,
+              help="wrong hints: the declared tool durations permuted across the trace")
+@click.option("--wrong-workflow", type=click.FloatRange(0, 1),
+              help="wrong hints: probability per session that its workflow declares phantom workers and a phantom "
+                   "round (default 0)")
 @click.option("-o", "--out", "out_path", type=click.Path(dir_okay=False), required=True,
               callback=writable_file("the trace"), help="trace file to write")
 @click.option("--json", "as_json", is_flag=True, help="print a JSON summary")
 def gen_cmd(params_path, seed, sessions, no_hints, hint_noise, prompts, tool_order_churn, json_key_noise,
-            tool_list_change, out_path, as_json):
-    """Generate a seeded agent-workflow trace (fan-out / fan-in DAGs, tool waits, hints), or with
-    --prompts a prompt trace with tool-order churn, JSON key-order noise and tool-list changes."""
-    noise = dict(tool_order_churn=tool_order_churn, json_key_noise=json_key_noise, tool_list_change=tool_list_change)
+            tool_list_change, shape, chain_breaks, apps, app_tool_blocks, react, wait_tail, namespaced_agents,
+            hint_scale, hint_shuffle, wrong_workflow, out_path, as_json):
+    """Generate a seeded agent-workflow trace (fan-out / fan-in DAGs, tool waits, hints, and the
+    workload shapes of kvdb/sim/shapes.py), or with --prompts a prompt trace with tool-order
+    churn, JSON key-order noise and tool-list changes."""
+    noise = dict(tool_order_churn=tool_order_churn, json_key_noise=json_key_noise)
+    shapes = dict(chain_break_prob=chain_breaks, apps=apps, app_tool_schema_blocks=app_tool_blocks, react=react,
+                  react_wait_tail=wait_tail, namespaced_agent_ids=namespaced_agents, hint_scale=hint_scale,
+                  hint_shuffle=hint_shuffle, wrong_workflow_prob=wrong_workflow)
     if prompts:
         if no_hints or hint_noise is not None:
             raise click.UsageError("--no-hints and --hint-noise are for workflow traces, not --prompts")
+        if shape is not None or any(v is not None for v in shapes.values()):
+            raise click.UsageError("--shape and the workload shape options are for workflow traces, not --prompts")
         from kvdb.sim.prompt_gen import load_params, write_trace
 
-        p = load_params(params_path, seed=seed, sessions=sessions, **noise)
+        p = load_params(params_path, seed=seed, sessions=sessions, tool_list_change=tool_list_change, **noise)
     else:
         given = [k.replace("_", "-") for k, v in noise.items() if v is not None]
         if given:
@@ -161,8 +193,8 @@ def gen_cmd(params_path, seed, sessions, no_hints, hint_noise, prompts, tool_ord
                                    "(noise shapes prompt traces)")
         from kvdb.sim.generator import load_params, write_trace
 
-        p = load_params(params_path, seed=seed, sessions=sessions, hints=False if no_hints else None,
-                        hint_noise_sigma=hint_noise)
+        p = load_params(params_path, shape=shape, seed=seed, sessions=sessions, hints=False if no_hints else None,
+                        hint_noise_sigma=hint_noise, tool_list_change_prob=tool_list_change, **shapes)
     try:
         n = write_trace(p, out_path)
     except OSError as e:

@@ -217,3 +217,175 @@ def test_shaped_traces_are_seeded_and_replay(kw):
 def test_bad_shape_parameters_are_refused(kw, match):
     with pytest.raises(InvalidInput, match=match):
         load_params(None, **kw)
+
+
+def _heads(calls: list[dict], n_blocks: int) -> dict[str, list[tuple]]:
+    """Per session, its coordinator's first ``n_blocks`` ids, call by call."""
+    out: dict[str, list[tuple]] = defaultdict(list)
+    for c in calls:
+        if c["agent_id"] == "coordinator":
+            out[c["session_id"]].append(tuple(c["hash_ids"][:n_blocks]))
+    return out
+
+
+def test_tool_lists_change_once_mid_session_at_their_probability():
+    # Scenario: 200 sessions, tool list change probability 0.4. The coordinator's head (8 system
+    # prompt blocks, then its tool's 3 schema blocks) changes at most once per session, at a
+    # round's plan after the first round, and never back; the system prompt never changes. The
+    # fraction of sessions that change is 0.4 among those of 2 rounds or more.
+    base, lines = _lines(sessions=200), _lines(sessions=200, tool_list_change_prob=0.4)
+    calls = _calls(lines)
+    heads = _heads(calls, 11)
+    plans = {(c["session_id"], tuple(c["hash_ids"][:11])): c["node_id"]
+             for c in reversed(calls) if c["agent_id"] == "coordinator"}
+    rounds = {sid: 1 + max(int(n["id"][1:].split(".")[0]) for n in nodes) for sid, nodes in _workflows(lines).items()}
+    changed = 0
+    for sid, hs in heads.items():
+        distinct = list(dict.fromkeys(hs))
+        assert len(distinct) <= 2 and len({h[:8] for h in hs}) == 1
+        if len(distinct) == 2:
+            changed += 1
+            assert hs == [distinct[0]] * hs.index(distinct[1]) + [distinct[1]] * (len(hs) - hs.index(distinct[1]))
+            first_new = plans[(sid, distinct[1])]  # the earliest call with the new head
+            assert first_new.endswith(".plan") and first_new != "r0.plan"
+            assert rounds[sid] >= 2
+    multi = sum(r >= 2 for r in rounds.values())
+    assert abs(changed / multi - 0.4) < 4 * (0.4 * 0.6 / multi) ** 0.5
+    strip = lambda x: {k: v for k, v in x.items() if k not in ("hash_ids", "input_length")}  # noqa: E731
+    assert [strip(x) for x in lines] == [strip(x) for x in base]
+    _trace(lines)
+
+
+def test_changed_tool_lists_of_one_version_are_shared_across_sessions():
+    # Scenario: one app, one tool-list variant, every session of 2+ rounds changes: each ends on
+    # the same new 8 + 16-block head, which differs from the app's first head in the tool blocks.
+    calls = _calls(_lines(sessions=20, apps=1, app_tool_schema_blocks=16, tool_list_change_prob=1.0,
+                          tool_list_variants=1, rounds=[2, 4]))
+    heads = _heads(calls, 24)
+    assert len({hs[0] for hs in heads.values()}) == 1 and len({hs[-1] for hs in heads.values()}) == 1
+    first, last = next(iter(heads.values()))[0], next(iter(heads.values()))[-1]
+    assert first[:8] == last[:8] and first[8] != last[8]
+
+
+def _declared(lines: list[dict]) -> list[float]:
+    """Every declared tool duration, hints and workflow tool nodes, in trace order."""
+    out = []
+    for x in lines:
+        if "hints" in x:
+            out.append(x["hints"]["expected_tool_duration_s"])
+        for n in x.get("nodes", []):
+            if "expected_duration_s" in n:
+                out.append(n["expected_duration_s"])
+    return out
+
+
+def _without_declared(lines: list[dict]) -> list[dict]:
+    out = []
+    for x in lines:
+        x = json.loads(json.dumps(x))
+        x.get("hints", {}).pop("expected_tool_duration_s", None)
+        for n in x.get("nodes", []):
+            n.pop("expected_duration_s", None)
+        out.append(x)
+    return out
+
+
+def test_scaled_hints_change_only_the_declared_durations():
+    # Scenario: hints scaled by 10: every declared duration (call hints and workflow tool nodes)
+    # is ten times the true one (rounding to the ms aside); nothing else in the trace moves.
+    base, lines = _lines(sessions=20), _lines(sessions=20, hint_scale=10.0)
+    b, s = _declared(base), _declared(lines)
+    assert len(b) == len(s) > 100
+    assert all(abs(y - 10 * x) <= 0.006 for x, y in zip(b, s))
+    assert _without_declared(lines) == _without_declared(base)
+    _trace(lines)
+
+
+def test_shuffled_hints_name_other_waits():
+    # Scenario: shuffled hints: the declared durations are the true ones permuted across the
+    # trace; a call's hint and its workflow tool node still agree with each other, but the hint
+    # no longer matches the wait that follows the call.
+    base, lines = _lines(sessions=20), _lines(sessions=20, hint_shuffle=True)
+    assert sorted(_declared(lines)) == sorted(_declared(base)) and _declared(lines) != _declared(base)
+    assert _without_declared(lines) == _without_declared(base)
+    wfs = _workflows(lines)
+    calls = _calls(lines)
+    nxt = {(c["session_id"], c["node_id"]): c["timestamp"] for c in calls}
+    wrong = hinted = 0
+    for c in calls:
+        if "hints" in c:
+            hinted += 1
+            tool = {n["id"]: n for n in wfs[c["session_id"]]}[c["node_id"][:-1] + "tool"]
+            assert tool["expected_duration_s"] == c["hints"]["expected_tool_duration_s"]
+            gap_s = (nxt[(c["session_id"], c["node_id"][:-1] + "b")] - c["timestamp"]) / 1000 - 2.0
+            wrong += abs(gap_s - c["hints"]["expected_tool_duration_s"]) > 0.01
+    assert wrong > 0.9 * hinted
+
+
+def test_wrong_workflows_declare_phantom_nodes_at_their_probability():
+    # Scenario: 200 sessions, wrong workflow probability 0.5: the sessions whose workflow declares
+    # a phantom worker per round and a phantom round number 0.5 within 4 standard deviations; no
+    # call names a phantom node; without the phantoms the workflows are the true ones.
+    base, lines = _lines(sessions=200), _lines(sessions=200, wrong_workflow_prob=0.5)
+    wfs, true = _workflows(lines), _workflows(base)
+    called = {(c["session_id"], c["node_id"]) for c in _calls(lines)}
+    wrong = 0
+    for sid, nodes in wfs.items():
+        ids = {n["id"] for n in nodes}
+        phantom = ids - {n["id"] for n in true[sid]}
+        rounds = 1 + max(int(n["id"][1:].split(".")[0]) for n in true[sid])
+        if phantom:
+            wrong += 1
+            assert phantom == {f"r{rounds}.plan", f"r{rounds}.agg"} | {n for n in ids if n.endswith(".phantom")}
+            assert len([n for n in phantom if n.endswith(".phantom")]) == rounds
+            assert not {(sid, n) for n in phantom} & called
+        assert [n for n in nodes if n["id"] not in phantom] == true[sid]
+    assert abs(wrong / 200 - 0.5) < 4 * (0.25 / 200) ** 0.5
+    assert _calls(lines) == _calls(base)
+    _trace(lines)
+
+
+def test_the_agentic_mix_preset_turns_on_every_shape_but_wrong_hints():
+    p = load_params(None, shape="agentic-mix", sessions=30)
+    assert p["chain_break_prob"] > 0 and p["apps"] > 1 and p["react"] and p["namespaced_agent_ids"]
+    assert p["tool_list_change_prob"] > 0
+    assert p["hint_scale"] == 1.0 and not p["hint_shuffle"] and p["wrong_workflow_prob"] == 0
+    assert load_params(None, shape="agentic-mix", apps=7)["apps"] == 7  # explicit overrides win
+    with pytest.raises(InvalidInput, match="unknown workload shape"):
+        load_params(None, shape="nope")
+    lines = list(generate(p))
+    calls = _calls(lines)
+    broken, n = _breaks(calls)
+    assert 0.25 < broken / n < 0.5  # chain breaks, plus tool-list changes
+    assert all(c["agent_id"].startswith("ns/") for c in calls)
+    per_node = defaultdict(int)
+    for c in calls:
+        per_node[(c["session_id"], c["node_id"])] += 1
+    assert max(per_node.values()) == 4
+    assert len({c["hash_ids"][0] for c in calls}) <= 3 * p["apps"]  # apps' system prompts only
+    t = _trace(lines)
+    lru, kvdb_, belady = (replay(t, pol, 200).hits for pol in ("lru", "kvdb", "belady"))
+    assert 0 < lru <= belady and 0 < kvdb_ <= belady
+
+
+def test_gen_cli_writes_the_shaped_trace(tmp_path):
+    from click.testing import CliRunner
+
+    from kvdb.cli.main import cli
+
+    runner = CliRunner()
+    out = tmp_path / "t.jsonl"
+    args = ["gen", "--sessions", "4", "--chain-breaks", "0.3", "--apps", "2", "--app-tool-blocks", "5", "--react",
+            "--wait-tail", "pareto", "--namespaced-agents", "--tool-list-change", "0.5", "--hint-scale", "3",
+            "--hint-shuffle", "--wrong-workflow", "0.5", "-o", str(out)]
+    r = runner.invoke(cli, args)
+    assert r.exit_code == 0, r.output
+    want = _lines(sessions=4, chain_break_prob=0.3, apps=2, app_tool_schema_blocks=5, react=True,
+                  react_wait_tail="pareto", namespaced_agent_ids=True, tool_list_change_prob=0.5, hint_scale=3.0,
+                  hint_shuffle=True, wrong_workflow_prob=0.5)
+    assert [json.loads(x) for x in out.read_text().splitlines()] == want
+    r = runner.invoke(cli, ["gen", "--sessions", "4", "--shape", "agentic-mix", "--no-react", "-o", str(out)])
+    assert r.exit_code == 0, r.output
+    assert [json.loads(x) for x in out.read_text().splitlines()] == _lines(sessions=4, shape="agentic-mix", react=False)
+    r = runner.invoke(cli, ["gen", "--prompts", "--chain-breaks", "0.3", "-o", str(out)])
+    assert r.exit_code == 2 and "not --prompts" in r.output
