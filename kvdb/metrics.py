@@ -8,6 +8,11 @@
 Every series carries a ``tier`` label (device, host, disk), but the prompt counters (cache
 breaks, kvdb/prompts). Counters are monotone over the Db's life; gauges are resident pages and
 bytes. Nothing here is per tenant: metrics never tell one tenant about another's cache.
+
+``NodeCollector`` adds a replication node's figures (``kvdb replicate serve --metrics-port``):
+``kvdb_replication_events_total{event=...}`` (the node's counters: connections, handshakes by
+outcome, blocks received and served, ...), ``kvdb_replication_connections{state=serving|handshaking}``
+and, on a leader, ``kvdb_replication_follower_lag_records{follower=HOST:PORT}``.
 """
 
 from __future__ import annotations
@@ -48,6 +53,35 @@ class DbCollector:
         prompts = s.get("prompts") or {}
         for field, doc in _PROMPT_COUNTERS.items():
             yield CounterMetricFamily(f"{self.prefix}_prompt_{field}", doc, value=prompts.get(field, 0))
+
+
+class NodeCollector:
+    """A replication node's counters, read from ``node.endpoint_status()`` and, on a leader,
+    ``node.leader_status()`` at scrape time (kvdb/replication/node.py ``NodeServer``)."""
+
+    def __init__(self, node, prefix: str = "kvdb") -> None:
+        self.node = node
+        self.prefix = prefix
+
+    def collect(self):
+        st = self.node.endpoint_status()
+        c = CounterMetricFamily(f"{self.prefix}_replication_events", "replication node events since it started",
+                                labels=["event"])
+        for name, n in sorted(st["counters"].items()):
+            c.add_metric([name], n)
+        yield c
+        g = GaugeMetricFamily(f"{self.prefix}_replication_connections", "open peer connections", labels=["state"])
+        for state, n in st["connections_open"].items():
+            g.add_metric([state], n)
+        yield g
+        leader = getattr(self.node, "leader_status", None)
+        if leader is not None:
+            lag = GaugeMetricFamily(f"{self.prefix}_replication_follower_lag_records",
+                                    "log records a follower has not confirmed", labels=["follower"])
+            for f in leader():
+                if isinstance(f.get("lag_records"), (int, float)):
+                    lag.add_metric([str(f.get("addr"))], f["lag_records"])
+            yield lag
 
 
 def register(db, registry: CollectorRegistry | None = None, prefix: str = "kvdb") -> DbCollector:

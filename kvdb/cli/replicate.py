@@ -83,9 +83,13 @@ def _positive_seconds(v: float) -> float:
 @click.option("--handshake-timeout", "handshake_timeout_s", type=float, default=10.0, show_default=True,
               callback=lambda ctx, param, v: _positive_seconds(v),
               help="seconds an unauthenticated peer has for the whole handshake")
+@click.option("--metrics-port", type=click.IntRange(0, 65535), default=None,
+              help="serve Prometheus metrics (kvdb/metrics.py: the Db's tiers and this node's counters) "
+                   "at http://HOST:PORT/metrics, HOST the --listen host (0 picks a free port); default: none")
 @json_option
 def serve_cmd(db_path, listen, secret_file, transport, node, host_bytes, disk_bytes, encryption_key_file,
-              layout_json, model_id, replicas, max_connections, max_handshakes, handshake_timeout_s, as_json) -> None:
+              layout_json, model_id, replicas, max_connections, max_handshakes, handshake_timeout_s, metrics_port,
+              as_json) -> None:
     """Own the Db at --db and serve pushes, lookups and log streams until SIGTERM / SIGINT;
     with --replica, also ship this node's log to those followers. A follower behind its
     leader's log is re-seeded from a copy (not a node that is itself a leader). Unauthenticated
@@ -107,6 +111,7 @@ def serve_cmd(db_path, listen, secret_file, transport, node, host_bytes, disk_by
         return kvdb.open(path, host_bytes=host_bytes, **kw)
 
     _check_listen(listen)  # before anything touches the data directory
+    metrics = _start_metrics(listen, metrics_port)  # likewise: a port in use fails here
     finish_swap(db_path)  # a re-seed interrupted by a crash: roll it forward or drop it
     db = kvdb.open(db_path, layout=_parse_layout(layout_json), model_id=model_id, host_bytes=host_bytes, **kw)
     done = threading.Event()
@@ -128,11 +133,14 @@ def serve_cmd(db_path, listen, secret_file, transport, node, host_bytes, disk_by
         server.start()
         info = {"event": "listening", "address": server.address, "node": server.node,
                 "transport": server.transport.descriptor(), "db": str(db_path)}
+        if metrics is not None:
+            info["metrics"] = _serve_metrics(metrics, server)
         if as_json:
             click.echo(json.dumps(info), nl=True)
         else:
             click.echo(f"kvdb: node {server.node} serving {db_path} on {server.address} "
-                       f"({info['transport']['kind']})", err=True)
+                       f"({info['transport']['kind']})"
+                       + (f"; metrics at {info['metrics']}" if metrics is not None else ""), err=True)
         sys.stdout.flush()
         while not done.wait(0.5):
             pass
@@ -147,6 +155,39 @@ def serve_cmd(db_path, listen, secret_file, transport, node, host_bytes, disk_by
     sys.stderr.flush()
     # the Transfer Engine's destructor may block for a second; the Db is closed, nothing is pending
     os._exit(0)
+
+
+def _start_metrics(listen: str, port: int | None):
+    """The Prometheus endpoint's HTTP server on the --listen host (its registry still empty), or
+    None without --metrics-port."""
+    if port is None:
+        return None
+    from prometheus_client import CollectorRegistry, start_http_server
+
+    from kvdb.errors import KvdbError
+    from kvdb.replication.channel import parse_addr
+
+    host, _ = parse_addr(listen)
+    registry = CollectorRegistry()
+    try:
+        httpd, _thread = start_http_server(port, addr=host, registry=registry)
+    except OSError as e:
+        raise KvdbError(f"cannot serve metrics on {host}:{port}: {e.strerror or e}") from None
+    return registry, httpd, host
+
+
+def _serve_metrics(metrics, server) -> str:
+    """Register the Db's and the node's collectors; the URL to scrape. The Db is looked up at
+    each scrape (a re-seed swaps it)."""
+    import types
+
+    from kvdb.metrics import NodeCollector, register
+
+    registry, httpd, host = metrics
+    register(types.SimpleNamespace(stats=lambda: server.db.stats()), registry)
+    registry.register(NodeCollector(server))
+    shown = f"[{host}]" if ":" in host else host
+    return f"http://{shown}:{httpd.server_port}/metrics"
 
 
 @replicate.command("status")

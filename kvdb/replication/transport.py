@@ -20,13 +20,25 @@ HMAC-tagged control frame itself (``"inline": true``), sent straight from the so
 
 A pair of nodes uses the engine only when both ends have it; otherwise the inline path.
 ``KVDB_REPLICATION_TRANSPORT=tcp`` forces the inline path (``mooncake`` forbids the fallback).
+
+The engine's own log (glog, C++) is quiet unless asked for: it reads ``MC_LOG_LEVEL`` (TRACE,
+INFO, WARNING, ERROR; INFO by default, ~10 lines per engine started) when its module loads and
+ignores ``GLOG_minloglevel``. Unless the user set one of the two, kvdb sets ``MC_LOG_LEVEL=ERROR``
+before the import and keeps the start-up chatter (glog's "Logging before InitGoogleLogging"
+banner, a "Local segment descriptor not found" the engine logs as an error on every first start)
+out of stderr, reporting it only when the start fails. ``GLOG_minloglevel`` alone is mapped onto
+``MC_LOG_LEVEL`` (0 INFO, 1 WARNING, 2+ ERROR); ``MC_LOG_LEVEL=INFO`` brings everything back.
 """
 
 from __future__ import annotations
 
 import os
+import re
+import sys
+import tempfile
 import threading
 from abc import ABC, abstractmethod
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -52,8 +64,55 @@ def rdma_available() -> bool:
         return False
 
 
+_GLOG_LEVELS = {"0": "INFO", "1": "WARNING"}  # 2 and above: ERROR
+# a glog line (``E1202 07:17:15.173599 32376 file.cpp:1098] ...``) or its pre-init banner
+_GLOG_LINE = re.compile(r"^([IWEF]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ \S+:\d+\]|WARNING: Logging before InitGoogleLogging)")
+
+
+def engine_log_quiet() -> bool:
+    """Set the engine's log level from the environment (before its module loads); True when the
+    user asked for nothing and kvdb quiets it (see the module doc). Children inherit the choice."""
+    if os.environ.get("KVDB_QUIET_MC_LOG") == "1" and os.environ.get("MC_LOG_LEVEL") == "ERROR":
+        return True  # set by kvdb, in this process or a parent
+    if "MC_LOG_LEVEL" in os.environ:
+        return False
+    glog = os.environ.get("GLOG_minloglevel")
+    if glog is not None:
+        os.environ["MC_LOG_LEVEL"] = _GLOG_LEVELS.get(glog.strip(), "ERROR")
+        return False
+    os.environ["MC_LOG_LEVEL"] = "ERROR"
+    os.environ["KVDB_QUIET_MC_LOG"] = "1"
+    return True
+
+
+@contextmanager
+def _engine_start_log(quiet: bool):
+    """While the engine starts: when ``quiet``, fd 2 goes to a scratch file; glog lines end in
+    ``box`` (for an error message), any other line is passed on to stderr."""
+    box: list[str] = []
+    if not quiet:
+        yield box
+        return
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as f:
+        os.dup2(f.fileno(), 2)
+        try:
+            yield box
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            f.seek(0)
+            for line in f.read().decode(errors="replace").splitlines():
+                if _GLOG_LINE.match(line):
+                    box.append(line)
+                else:
+                    sys.stderr.write(line + "\n")
+
+
 def mooncake_import_error() -> str | None:
     """None when the Transfer Engine imports here, else why not (for skip messages and logs)."""
+    engine_log_quiet()
     try:
         from mooncake.engine import TransferEngine  # noqa: F401
     except Exception as e:  # ImportError, or OSError when libibverbs1 / librdmacm1 are missing
@@ -139,12 +198,14 @@ class MooncakeTransport(Transport):
 
         self.protocol = protocol or ("rdma" if rdma_available() else "tcp")
         self.local_host = local_host
-        self.engine = TransferEngine()
-        rc = self.engine.initialize(local_host, "P2PHANDSHAKE", self.protocol, "")
+        with _engine_start_log(engine_log_quiet()) as log:
+            self.engine = TransferEngine()
+            rc = self.engine.initialize(local_host, "P2PHANDSHAKE", self.protocol, "")
         if rc != 0:
+            said = f"; the engine said: {' | '.join(log[-5:])}" if log else ""
             raise ReplicationError(
                 f"Mooncake Transfer Engine failed to initialise on {local_host} with protocol "
-                f"{self.protocol} (rc={rc})"
+                f"{self.protocol} (rc={rc}){said}"
             )
         self.session_id = f"{local_host}:{self.engine.get_rpc_port()}"
         self._lock = threading.Lock()  # guards _registered
