@@ -302,7 +302,8 @@ def test_device_watermark_demotes_in_background(tmp_path):
         assert torch.equal(out, b)
 
 
-@pytest.mark.parametrize("policy", ["lru", "lfu", "arc", "kvflow", "tokencake", "kvdb"])
+@pytest.mark.parametrize("policy", ["lru", "lfu", "arc", "kvflow", "tokencake", "kvdb", "lirs", "lrfu", "s3fifo", "sieve",
+                                    "2q", "wtinylfu"])
 def test_every_engine_policy_keeps_bytes_exact(tmp_path, policy):
     # Scenario: 3 host pages under each engine policy, a session with a 2-node workflow and
     # 6 blocks put over two calls: whatever each policy evicts, what is present is exact,

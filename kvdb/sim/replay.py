@@ -11,7 +11,7 @@ Semantics, shared by every policy and by the Belady bound:
 
 The simulated pool has ``capacity + longest call`` frames so that S2 never runs out of frames
 before S3 trims. The longest call is a trace-wide figure, so no policy may size itself by the
-pool (S4): ARC gets ``capacity_frames`` (``policy_options``). Block identity is the hash id, or (tenant, hash id) when a tenant is named.
+pool (S4): ARC and the other policies sized by the cache (``CAPACITY_SIZED``) get ``capacity_frames`` (``policy_options``). Block identity is the hash id, or (tenant, hash id) when a tenant is named.
 Workflow / session lines drive the same ``Planner`` the engine uses.
 """
 
@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Hashable, Iterable
 
 from kvdb.errors import CapacityError, InvalidInput
-from kvdb.planner.policies import REPLAY_ONLY, make_policy
+from kvdb.planner.policies import CAPACITY_SIZED, REPLAY_ONLY, make_policy
 from kvdb.planner.sessions import Planner
 from kvdb.sim.trace import Call, SessionEndLine, Trace, WorkflowLine
 
@@ -61,9 +61,10 @@ def capacity_for(trace: Trace, fraction: float) -> int:
 
 
 def policy_options(policy: str, capacity_blocks: int, options: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Options for ``make_policy`` in a replay: ARC's c is the resident capacity, not the pool."""
+    """Options for ``make_policy`` in a replay: ARC's (and every ``CAPACITY_SIZED`` policy's) c is
+    the resident capacity, not the pool."""
     opts = dict(options or {})
-    if policy == "arc":
+    if policy in CAPACITY_SIZED:
         opts.setdefault("capacity_frames", capacity_blocks)
     return opts
 

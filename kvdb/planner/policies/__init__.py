@@ -3,7 +3,9 @@
 The engine and the simulator build policies through ``make_policy`` and run the same objects.
 ``belady`` is replay-only: it needs the trace's future (``future=`` the calls' block ids).
 
-Modules: ``lru`` and ``arc`` (the classic policies, also built by ``make_replacer``),
+Modules: ``lru`` and ``arc``, and the classic baselines ``lirs``, ``lrfu``, ``s3fifo``, ``sieve``,
+``twoq`` (``2q``) and ``wtinylfu`` (with ``sketch``, its frequency sketch) over ``resident`` (their
+base: frames, ids, pins) -- the classic policies, also built by ``make_replacer`` --
 ``ordered`` (bases over ordered dicts), ``heap`` (a base over a heap of keys), ``lfu``,
 ``kvflow``, ``tokencake``, ``planned`` (``kvdb``: its frames and plans, with ``nextuse``
 estimating each agent's next call, ``gaps`` its learned residuals and ``reuse`` the value of
@@ -21,21 +23,40 @@ from kvdb.planner.policies.arc import ArcReplacer
 from kvdb.planner.policies.belady import BeladyReplacer
 from kvdb.planner.policies.kvflow import KvflowReplacer
 from kvdb.planner.policies.lfu import LfuReplacer
+from kvdb.planner.policies.lirs import LirsReplacer
+from kvdb.planner.policies.lrfu import LrfuReplacer
 from kvdb.planner.policies.lru import LruReplacer
 from kvdb.planner.policies.planned import PlannedReplacer
+from kvdb.planner.policies.s3fifo import S3FifoReplacer
+from kvdb.planner.policies.sieve import SieveReplacer
 from kvdb.planner.policies.tokencake import TokencakeReplacer
+from kvdb.planner.policies.twoq import TwoQReplacer
+from kvdb.planner.policies.wtinylfu import WTinyLfuReplacer
+
+CLASSIC: dict[str, type[Replacer]] = {
+    "lru": LruReplacer,
+    "arc": ArcReplacer,
+    "lirs": LirsReplacer,
+    "lrfu": LrfuReplacer,
+    "s3fifo": S3FifoReplacer,
+    "sieve": SieveReplacer,
+    "2q": TwoQReplacer,
+    "wtinylfu": WTinyLfuReplacer,
+}
 
 POLICIES: dict[str, type[Replacer]] = {
-    "lru": LruReplacer,
+    **CLASSIC,
     "lfu": LfuReplacer,
-    "arc": ArcReplacer,
     "kvflow": KvflowReplacer,
     "tokencake": TokencakeReplacer,
     "kvdb": PlannedReplacer,
     "belady": BeladyReplacer,
 }
 REPLAY_ONLY = frozenset({"belady"})
-REPLACERS: dict[str, type[Replacer]] = {"lru": LruReplacer, "arc": ArcReplacer}  # the classic ones
+REPLACERS: dict[str, type[Replacer]] = dict(CLASSIC)  # the classic ones
+# policies sized by the cache size c (queue shares, ghost bounds): the replay passes its resident
+# capacity as ``capacity_frames``, never its pool, which has room for one call more (S4)
+CAPACITY_SIZED = frozenset({"arc", "lirs", "lrfu", "s3fifo", "2q", "wtinylfu"})
 
 
 def make_policy(name: str, num_frames: int, *, future: Sequence[Sequence[Hashable]] | None = None,
@@ -59,6 +80,7 @@ def make_replacer(name: str, num_frames: int) -> Replacer:
 
 
 __all__ = [
+    "CAPACITY_SIZED",
     "POLICIES",
     "REPLACERS",
     "REPLAY_ONLY",
@@ -66,9 +88,15 @@ __all__ = [
     "BeladyReplacer",
     "KvflowReplacer",
     "LfuReplacer",
+    "LirsReplacer",
+    "LrfuReplacer",
     "LruReplacer",
     "PlannedReplacer",
+    "S3FifoReplacer",
+    "SieveReplacer",
     "TokencakeReplacer",
+    "TwoQReplacer",
+    "WTinyLfuReplacer",
     "make_policy",
     "make_replacer",
 ]
