@@ -114,7 +114,7 @@ def _compact(store, progress, min_dead_fraction: float, stop=None) -> dict:
                     continue
                 size = segments.file_bytes(s)
                 dead = size - SEGMENT_HEADER_BYTES - live.segment_bytes(s)
-                if dead > 0 and dead >= min_dead_fraction * size:
+                if dead > 0 and dead >= min_dead_fraction * (size - SEGMENT_HEADER_BYTES):  # of its records
                     victims.append(s)
             total = sum(live.segment_bytes(s) for s in victims)
         done = 0

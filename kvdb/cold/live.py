@@ -109,7 +109,7 @@ class LiveSet:
     def space(self, segments, writer, dead_fraction: float) -> dict:
         """Log bytes (all segments), live record bytes, dead bytes in sealed segments (what a
         compaction could reclaim) and ``reclaimable_bytes``: the dead bytes of sealed segments
-        at least ``dead_fraction`` dead. ``segments`` is the log's SegmentSet (sealed sizes
+        whose record bytes are at least ``dead_fraction`` dead. ``segments`` is the log's SegmentSet (sealed sizes
         cached there); takes ``writer.lock`` itself, briefly."""
         with writer.lock:
             segs = segments.list()
@@ -122,7 +122,7 @@ class LiveSet:
             log_bytes += size
             d = max(0, size - SEGMENT_HEADER_BYTES - seg_live.get(x, 0))
             dead += d
-            if d and d >= dead_fraction * size:
+            if d and d >= dead_fraction * (size - SEGMENT_HEADER_BYTES):  # of its record bytes
                 reclaimable += d
         return {"log_bytes": log_bytes, "live_bytes": live, "dead_bytes": dead, "reclaimable_bytes": reclaimable,
                 "segments": len(segs)}

@@ -3,6 +3,12 @@
 The log's half (kvdb/wal/recovery.py) scans the segments from the index's checkpoint on and
 finds where appending resumes; here, in order:
 
+0. the store id (MANIFEST.json ``store_id``, given by the Db) is checked before the index is
+   opened for writing, so a refused open writes nothing: every segment header (an intact one
+   naming another id, or none, is another store's segment) and the index's ``Mstore`` (another
+   id, or none in an index that holds anything, is another store's index) -- CorruptionError
+   naming the file. A store without an id (legacy: made before ids existed) is not checked.
+   ``stamp_identity`` then writes the id into a new (or rebuilt) index;
 1. the key check (an AES-GCM seal of a known text, kvdb/cold/codec.py) decides whether the
    given ``encryption_key_file`` is the store's: a missing or wrong key is an InvalidInput;
 2. the counters the last checkpoint saved come back (``stats`` after a reopen);
@@ -19,17 +25,54 @@ Then the store rebuilds its live set from one scan of the index (kvdb/cold/store
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from kvdb.cold.apply import index_ops
 from kvdb.cold.codec import Sealer, read_key_file
-from kvdb.errors import InvalidInput, StorageIOError
+from kvdb.cold.index import Index
+from kvdb.errors import CorruptionError, InvalidInput, StorageIOError
 from kvdb.format import index_value as iv
 from kvdb.format.record import FLAG_SEALED
 from kvdb.wal.recovery import RecoveryResult, recover
 
 #: index writes per batch while replaying
 REPLAY_BATCH = 4096
+
+
+def check_identity(index_dir: str, segments, store_id: bytes | None) -> None:
+    """Step 0 (see the module doc), before the index is opened for writing."""
+    if store_id is None:
+        return
+    for n in segments.list():
+        try:
+            have = segments.header(n).store_id
+        except (CorruptionError, OSError):
+            continue  # a damaged header is recovery's and verify's to report, not an identity
+        if have != store_id:
+            raise CorruptionError(f"{segments.path(n)} belongs to another store (its header says store "
+                                  f"{have.hex() if any(have) else 'none'}, MANIFEST.json says {store_id.hex()}); "
+                                  "remove the foreign segment or restore this store's own (nothing was written)")
+    if not os.path.exists(os.path.join(index_dir, "CURRENT")):
+        return  # no index yet: made (or rebuilt from the log) by the open
+    peek = Index(index_dir, read_only=True)
+    try:
+        have = peek.get(iv.STORE_KEY)
+        used = have is not None or next(iter(peek.items(b"")), None) is not None
+    finally:
+        peek.close()
+    if used and have != store_id:
+        raise CorruptionError(f"{index_dir} belongs to another store (its store id is "
+                              f"{have.hex() if have else 'none'}, MANIFEST.json says {store_id.hex()}); remove "
+                              f"{index_dir} to rebuild it from this store's log (nothing was written)")
+
+
+def stamp_identity(index, store_id: bytes | None) -> None:
+    """Write the store id into an index that has none yet (new, or rebuilt from the log)."""
+    if store_id is not None and index.get(iv.STORE_KEY) is None:
+        index.write([(iv.STORE_KEY, store_id)])
+        index.flush()  # the index WAL is off: the id must survive a crash before anything else
 
 
 def open_sealer(index, path, encryption_key_file: str | None) -> tuple[Sealer | None, bytes | None]:
@@ -87,4 +130,4 @@ def check_key_against_log(index, path, sealer, read_entry, page_bytes: int, repl
         index.flush()  # the index WAL is off: make the key check survive a crash now
 
 
-__all__ = ["check_key_against_log", "open_sealer", "replay", "saved_counters"]
+__all__ = ["check_identity", "check_key_against_log", "open_sealer", "replay", "saved_counters", "stamp_identity"]

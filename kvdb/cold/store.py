@@ -128,7 +128,8 @@ class ColdStore:
              codec: str = "raw", default_durability: str = "group", fs: OsFs | None = None,
              segment_bytes: int = DEFAULT_SEGMENT_BYTES, checkpoint_bytes: int = DEFAULT_CHECKPOINT_BYTES,
              flush_interval_s: float | None = 0.05, native_commit: bool = False,
-             max_space_amp: float | None = DEFAULT_MAX_SPACE_AMP, read_only: bool = False) -> "ColdStore":
+             max_space_amp: float | None = DEFAULT_MAX_SPACE_AMP, read_only: bool = False,
+             store_id: bytes | None = None) -> "ColdStore":
         """Open (creating when missing) the cold tier under ``path``; runs recovery.
 
         ``max_space_amp``: the background flusher compacts on its own (``maybe_compact``) once
@@ -139,7 +140,8 @@ class ColdStore:
         ``flush_interval_s=None`` turns the background flusher off (deterministic I/O for the
         crash tests; ``none`` writes then become durable at the next group/sync/checkpoint).
         ``native_commit=True`` fsyncs group commits in the native committer thread (ahead when
-        fsync is very fast, behind at 0.2 ms: kvdb/wal/commit.py, docs/durability.md)."""
+        fsync is very fast, behind at 0.2 ms: kvdb/wal/commit.py, docs/durability.md).
+        ``store_id`` (MANIFEST.json's): checked against index and segments (recovery.py step 0)."""
         self = cls()
         self.read_only = read_only
         if read_only:
@@ -158,7 +160,7 @@ class ColdStore:
         if segment_bytes < 512:
             raise InvalidInput(f"segment_bytes must be at least 512, got {segment_bytes}")
         max_space_amp = check_space_amp(max_space_amp)
-        self.path = Path(path)
+        self.path, self.store_id = Path(path), store_id  # store_id: None for a legacy store
         self.wal_dir = str(self.path / "wal")
         self.index_dir = str(self.path / "index")
         self.disk_bytes = disk_bytes
@@ -176,8 +178,10 @@ class ColdStore:
             self.fs.makedirs(self.index_dir)
         except OSError as e:
             raise StorageIOError(f"cannot create {self.path}: {e}") from e
+        recovery.check_identity(self.index_dir, self.segments, store_id)  # before the index is written
         self.index = Index(self.index_dir, read_only=read_only)
         try:
+            recovery.stamp_identity(self.index, store_id)
             self._open_rest(encryption_key_file, segment_bytes, checkpoint_bytes, max_space_amp, native_commit)
         except BaseException:
             self.index.close()
@@ -202,7 +206,7 @@ class ColdStore:
             recovery.check_key_against_log(self.index, self.path, self.sealer, self.reader.read_entry,
                                            self.page_bytes, bool(r.records_replayed and checkpoint is not None))
         self.writer = LogWriter(self.fs, self.wal_dir, segment_no=r.segment_no, offset=r.offset,
-                                next_lsn=r.next_lsn, segment_bytes=segment_bytes)
+                                next_lsn=r.next_lsn, segment_bytes=segment_bytes, store_id=self.store_id)
         self.queue = IndexQueue(self.index, self.writer)
         self.appender = LogAppender(self, self._counters)
         self.commit = GroupCommit(self.writer, append_batches=self.appender.append_batches, check=self.check,
@@ -278,9 +282,7 @@ class ColdStore:
             self.writer.fail(err)
             raise err from e
 
-    @property
-    def failed(self) -> bool:
-        return self._crashed or self.writer.error is not None
+    failed = property(lambda self: self._crashed or self.writer.error is not None)
 
     @property
     def durable_lsn(self) -> int:
@@ -502,9 +504,7 @@ class ColdStore:
         stops a run between chunks (``ckpt.stopping``)."""
         return self.ckpt.maybe_compact()
 
-    @property
-    def max_space_amp(self) -> float | None:
-        return self.ckpt.max_space_amp
+    max_space_amp = property(lambda self: self.ckpt.max_space_amp)
 
     def compact(self, progress=None, now_ns: int | None = None) -> dict:
         """Delete TTL-expired blocks, then garbage-collect segments (kvdb/cold/compact.py)."""

@@ -56,11 +56,13 @@ from kvdb.db.open import (
     check_options,
     check_sizes,
     drop_lock,
+    early_sealer,
     finish_swap_locked,
     open_cold,
     open_keyspace,
     pick_device,
     replacer_factory,
+    seal_plain_file,
     take_lock,
 )
 from kvdb.db.plans import PlansMixin
@@ -178,8 +180,9 @@ class Db(WriteMixin, ReadMixin, MovesMixin, LandingMixin, PlansMixin, AttachedMi
     def _open(self, layout, model_id, host_bytes, device_bytes, device, replacer, key_secret, key_algo,
               ns_extra, durability, disk_bytes, codec, encryption_key_file, device_free_fraction) -> None:
         """Steps 3-4 of the open (kvdb/db/open.py), under the directory's lock."""
-        self.keyspace, self.layout, self.model_id = open_keyspace(self.path, layout, model_id, key_secret,
-                                                                  key_algo, ns_extra, self.read_only)
+        sealer = early_sealer(encryption_key_file, disk_bytes)  # a sealed KEY_SECRET opens under it
+        opened = open_keyspace(self.path, layout, model_id, key_secret, key_algo, ns_extra, self.read_only, sealer)
+        self.keyspace, self.layout, self.model_id = opened.keyspace, opened.layout, opened.model_id
         self.default_durability = durability
 
         page = self.layout.page_bytes
@@ -205,7 +208,9 @@ class Db(WriteMixin, ReadMixin, MovesMixin, LandingMixin, PlansMixin, AttachedMi
         self._init_moves(device_frames, device_free_fraction)
         self._cold = None
         self._cold = open_cold(self.path, self.layout, disk_bytes, codec, encryption_key_file, self._max_space_amp,
-                               self.read_only)
+                               self.read_only, opened.store_id)
+        if opened.secret.seal_later and self._cold is not None:  # the disk tier accepted the key
+            seal_plain_file(self.path, opened.secret.value, sealer)
         if self._cold is not None:  # the disk tier's counters survive a reopen (saved by the store)
             saved = self._cold.stats()
             self._disk_hits, self._lookup_misses = saved["lookup_hits"], saved["lookup_misses"]

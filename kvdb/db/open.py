@@ -5,19 +5,23 @@ Data directory
                         thread); taken without waiting: DbLockedError when someone holds it.
                         The file itself is empty and stays.
     PATH/KEY_SECRET     32 random bytes (mode 0600) made at the first open when no
-                        ``key_secret`` is given: salts tenant namespaces (kvdb/keys.py). The
-                        manifest records an HMAC id of the secret, never the secret.
-    PATH/MANIFEST.json  layout, model id, key parameters (kvdb/format/manifest.py)
+                        ``key_secret`` is given: salts tenant namespaces (kvdb/keys.py); sealed
+                        under the encryption key when the store has one (kvdb/format/secret.py).
+                        The manifest records an HMAC id of the secret, never the secret.
+    PATH/MANIFEST.json  layout, model id, key parameters, store id (kvdb/format/manifest.py)
     PATH/wal/, PATH/index/  the cold tier (kvdb/cold/), when the disk tier is enabled
     PATH/replication/   replication's state; a re-seed's swap files (kvdb/format/swap.py)
 
 Open, in order (``Db.__init__``), each step under the lock
     1. take the lock;
     2. roll an interrupted re-seed swap forward or drop it (``finish_swap_locked``, RS1);
-    3. load (or make) the key secret, then read the manifest -- a new directory writes one from
-       ``layout`` and ``model_id``, an existing one must match what the caller passes;
+    3. read the manifest, load (or make) the key secret -- a new directory writes one from
+       ``layout`` and ``model_id``, an existing one must match what the caller passes; a log
+       without a manifest, or an existing store without its KEY_SECRET (and no ``key_secret=``),
+       is refused before anything is written;
     4. build the pool, the planner and the mover, then open the cold tier (which recovers its
-       log: kvdb/cold/).
+       log and checks the store id of its index and segments: kvdb/cold/); a plain KEY_SECRET
+       of an encrypted store is sealed once the disk tier has accepted the key.
 A failure at any step drops the lock and raises; nothing the steps wrote is half made (the
 manifest and the secret are written atomically, the swap rolls forward from any step).
 
@@ -45,7 +49,11 @@ from kvdb.buffer_pool.replacer import Replacer
 from kvdb.cold.store import ColdStore, check_space_amp
 from kvdb.errors import CorruptionError, DbLockedError, InvalidInput, NotFound
 from kvdb.format.layout import BlockLayout
-from kvdb.format.manifest import read_manifest, write_manifest
+from kvdb.cold.codec import Sealer, read_key_file
+from kvdb.format.manifest import MANIFEST_NAME, STORE_ID_BYTES, read_manifest, store_id_of, write_manifest
+from kvdb.format.record import parse_segment_name
+from kvdb.format.secret import KEY_SECRET_NAME, SEALED_AAD, encode_sealed
+from kvdb.format.secret import decode as decode_secret
 from kvdb.format.swap import APPLIED_NAME, ASIDE_DIR, MOVED, REPLICATION_DIR, STAGING_DIR, SWAP_MARKER
 from kvdb.fs import OsFs, write_file_atomic
 from kvdb.keys import KeySpace
@@ -54,7 +62,6 @@ from kvdb.planner import make_policy
 from kvdb.planner.policies import REPLAY_ONLY
 from kvdb.types import DURABILITIES
 
-KEY_SECRET_NAME = "KEY_SECRET"
 LOCK_NAME = "LOCK"
 
 
@@ -153,55 +160,131 @@ def key_secret_id(secret: bytes) -> str:
     return hmac.new(secret, b"kvdb key secret id", hashlib.sha256).hexdigest()[:32]
 
 
-def load_secret(path: Path, key_secret: bytes | None, read_only: bool = False) -> bytes | None:
-    """The caller's secret, else PATH/KEY_SECRET, made on first use (never when ``read_only``).
-    Caller holds the lock (or opens read-only)."""
+def early_sealer(encryption_key_file, disk_bytes) -> Sealer | None:
+    """The encryption key's Sealer, read before the manifest: a sealed KEY_SECRET opens under it
+    (kvdb/format/secret.py). The disk tier checks the key against its own key check later."""
+    if encryption_key_file is None:
+        return None
+    if disk_bytes == 0:
+        raise InvalidInput("encryption_key_file needs the disk tier (disk_bytes != 0)")
+    return Sealer(read_key_file(encryption_key_file))
+
+
+def holds_log(path: Path) -> bool:
+    """Whether PATH has a disk tier's files (a log segment, or an index)."""
+    wal, index = path / "wal", path / "index"
+    try:
+        if any(parse_segment_name(n) is not None for n in os.listdir(wal)):
+            return True
+    except (FileNotFoundError, NotADirectoryError):
+        pass
+    return (index / "CURRENT").exists()
+
+
+class Secret:
+    """The directory's key secret as loaded: ``value`` (None: read-only without it), and
+    ``seal_later``: a plain KEY_SECRET of an encrypted store, sealed once the disk tier has
+    accepted the key (``seal_plain_file``)."""
+
+    def __init__(self, value: bytes | None, seal_later: bool = False) -> None:
+        self.value = value
+        self.seal_later = seal_later
+
+
+def load_secret(path: Path, key_secret: bytes | None, read_only: bool = False, sealer: Sealer | None = None,
+                existing: bool = False) -> Secret:
+    """The caller's secret, else PATH/KEY_SECRET (opened under ``sealer`` when sealed), made on
+    first use (never when ``read_only``; never for an ``existing`` store: a missing file there is
+    an error naming it). Caller holds the lock (or opens read-only)."""
     p = path / KEY_SECRET_NAME
     if key_secret is not None:
         if not isinstance(key_secret, (bytes, bytearray)) or len(key_secret) < 16:
             raise InvalidInput("key_secret must be at least 16 bytes")
-        return bytes(key_secret)
+        return Secret(bytes(key_secret))
     try:
-        return p.read_bytes()
+        raw = p.read_bytes()
     except FileNotFoundError:
         if read_only:
-            return None  # made with an explicit key_secret: inspection works without keys (NoKeys)
+            return Secret(None)  # made with an explicit key_secret: inspection works without keys (NoKeys)
+        if existing:
+            raise InvalidInput(f"{p} is missing: {path} holds blocks keyed with a key secret that is neither in "
+                               f"that file nor passed as key_secret=; restore {p} from a backup, or pass the "
+                               "store's key_secret= (nothing was written)") from None
         secret = secrets.token_bytes(32)
-        write_file_atomic(p, secret, mode=0o600)  # we hold the directory lock: no race
-        return secret
+        data = secret if sealer is None else encode_sealed(sealer.seal(secret, SEALED_AAD))
+        write_file_atomic(p, data, mode=0o600)  # we hold the directory lock: no race
+        return Secret(secret)
+    sealed, body = decode_secret(raw, str(p))
+    if not sealed:
+        return Secret(body, seal_later=sealer is not None and not read_only)
+    if sealer is None:
+        if read_only:
+            return Secret(None)  # inspection without the key: stats and verify need no keys
+        raise InvalidInput(f"{path} is encrypted ({p} is sealed under its encryption key): "
+                           "open it with encryption_key_file=")
+    try:
+        return Secret(sealer.open(body, SEALED_AAD))
+    except CorruptionError:
+        raise InvalidInput(f"the encryption key does not match the one {path} was created with "
+                           f"({p} does not open under it)") from None
+
+
+def seal_plain_file(path: Path, secret: bytes, sealer: Sealer) -> None:
+    """Replace a plain PATH/KEY_SECRET by the same secret sealed under ``sealer`` (the migration
+    of a store encrypted before sealing existed; docs/durability.md). Caller holds the lock."""
+    write_file_atomic(path / KEY_SECRET_NAME, encode_sealed(sealer.seal(secret, SEALED_AAD)), mode=0o600)
 
 
 class NoKeys:
     """The key space of a read-only open without the directory's key secret (it was made with
-    an explicit ``key_secret``): stats and verify need no keys; computing one is InvalidInput."""
+    an explicit ``key_secret``, or it is sealed and no key was given): stats and verify need no
+    keys; computing one is InvalidInput."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
 
     def __getattr__(self, name: str):
-        raise InvalidInput(f"{self.path} is open read-only without its key secret (no {KEY_SECRET_NAME} file); "
-                           "pass key_secret= to compute keys")
+        raise InvalidInput(f"{self.path} is open read-only without its key secret (no {KEY_SECRET_NAME} file, "
+                           "or one sealed under an encryption key not given); pass key_secret= or "
+                           "encryption_key_file= to compute keys")
+
+
+class Opened:
+    """What ``open_keyspace`` found: the key space, layout, model id, the store id (None:
+    legacy) and the loaded secret (``secret.seal_later``)."""
+
+    def __init__(self, keyspace, layout: BlockLayout, model_id: str, store_id: bytes | None, secret: Secret) -> None:
+        self.keyspace, self.layout, self.model_id = keyspace, layout, model_id
+        self.store_id = store_id
+        self.secret = secret
 
 
 def open_keyspace(path: Path, layout, model_id, key_secret: bytes | None, key_algo: str,
-                  ns_extra: dict, read_only: bool = False) -> tuple[KeySpace, BlockLayout, str]:
+                  ns_extra: dict, read_only: bool = False, sealer: Sealer | None = None) -> Opened:
     """Write the manifest of a new directory, or check the caller's options against an
-    existing one's; the directory's (KeySpace, layout, model id) either way. Caller holds the lock
-    (or opens ``read_only``: then the directory must exist)."""
+    existing one's. Caller holds the lock (or opens ``read_only``: then the directory must
+    exist). A directory holding a log but no MANIFEST.json is refused before anything is written."""
     manifest = read_manifest(path)
+    if manifest is None and holds_log(path):
+        raise CorruptionError(f"{path / MANIFEST_NAME} is missing but {path} holds a log (wal/, index/): restore "
+                              f"{MANIFEST_NAME} from a backup; it is never rewritten over an existing log "
+                              "(nothing was written)")
     if manifest is None and read_only:
         raise NotFound(f"{path} is not a kvdb data directory (no MANIFEST.json); read_only opens only an existing one")
-    secret = load_secret(path, key_secret, read_only)
-    if secret is None:  # read-only, no secret file and none given
-        return NoKeys(path), BlockLayout.from_dict(manifest["layout"]), manifest["model_id"]
     if manifest is None:
         if layout is None or model_id is None:
             raise InvalidInput(f"{path} is a new data directory: pass layout= and model_id=")
         if not isinstance(layout, BlockLayout):
             raise InvalidInput(f"layout must be a kvdb.BlockLayout, got {type(layout).__name__}")
+    store_id = None if manifest is None else store_id_of(manifest, str(path / MANIFEST_NAME))
+    secret = load_secret(path, key_secret, read_only, sealer, existing=manifest is not None)
+    if secret.value is None:  # read-only, no usable secret file and none given
+        return Opened(NoKeys(path), BlockLayout.from_dict(manifest["layout"]), manifest["model_id"], store_id, secret)
+    if manifest is None:
+        KeySpace(model_id=model_id, layout=layout, key_secret=secret.value, algo=key_algo, **ns_extra)  # validates
+        store_id = secrets.token_bytes(STORE_ID_BYTES)
         fields = dict(model_id=model_id, layout=layout.to_dict(), key_algo=key_algo,
-                      key_secret_id=key_secret_id(secret), **ns_extra)
-        KeySpace(model_id=model_id, layout=layout, key_secret=secret, algo=key_algo, **ns_extra)  # validates
+                      key_secret_id=key_secret_id(secret.value), store_id=store_id.hex(), **ns_extra)
         write_manifest(path, fields)
     else:
         stored = BlockLayout.from_dict(manifest["layout"])
@@ -209,14 +292,15 @@ def open_keyspace(path: Path, layout, model_id, key_secret: bytes | None, key_al
             raise InvalidInput(f"{path} holds layout {stored}, not {layout}; open it with its own layout")
         if model_id is not None and model_id != manifest["model_id"]:
             raise InvalidInput(f"{path} holds model {manifest['model_id']!r}, not {model_id!r}")
-        if manifest.get("key_secret_id") != key_secret_id(secret):
+        if manifest.get("key_secret_id") != key_secret_id(secret.value):
             raise InvalidInput(f"{path} was written with a different key secret; pass the same key_secret")
         for k, v in ns_extra.items():
             if v is not None and v != manifest.get(k):
                 raise InvalidInput(f"{path} holds {k}={manifest.get(k)!r}, not {v!r}")
         layout, model_id, key_algo = stored, manifest["model_id"], manifest.get("key_algo", "sha256")
         ns_extra = {k: manifest.get(k) for k in ns_extra}
-    return KeySpace(model_id=model_id, layout=layout, key_secret=secret, algo=key_algo, **ns_extra), layout, model_id
+    keyspace = KeySpace(model_id=model_id, layout=layout, key_secret=secret.value, algo=key_algo, **ns_extra)
+    return Opened(keyspace, layout, model_id, store_id, secret)
 
 
 # ---------------------------------------------------------------------- options
@@ -292,7 +376,7 @@ def pick_device(device, device_bytes: int) -> torch.device:
 
 
 def open_cold(path: Path, layout: BlockLayout, disk_bytes, codec, encryption_key_file, max_space_amp,
-              read_only: bool = False):
+              read_only: bool = False, store_id: bytes | None = None):
     """The disk tier (kvdb/cold/), or None when it is off (``disk_bytes=0``); read-only
     (kvdb/cold/store.py) when asked, and then None where the directory has no disk tier."""
     if disk_bytes == 0:
@@ -302,4 +386,5 @@ def open_cold(path: Path, layout: BlockLayout, disk_bytes, codec, encryption_key
     if read_only and not (Path(path) / "wal").is_dir():
         return None
     return ColdStore.open(path, layout, disk_bytes=disk_bytes, encryption_key_file=encryption_key_file,
-                          codec=codec, default_durability="group", max_space_amp=max_space_amp, read_only=read_only)
+                          codec=codec, default_durability="group", max_space_amp=max_space_amp, read_only=read_only,
+                          store_id=store_id)

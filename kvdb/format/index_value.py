@@ -10,6 +10,9 @@ Index keys (the first byte says the kind)
         b"Mcheckpoint"   Checkpoint (20 bytes, below)
         b"Mstats"        JSON object of counters (hits, misses, corruptions, evictions, ...)
         b"Mseal"         AES-GCM key check: nonce 12 | sealed b"kvdb-key-check" (+16 tag)
+        b"Mstore"        the store id (16 bytes, MANIFEST.json ``store_id``): written when the
+                         index is made (or rebuilt from the log); an index whose id is not the
+                         manifest's belongs to another store (kvdb/cold/recovery.py)
     b"m" + record type u8 + name         -> value of a SESSION / TTL / LEASE metadata record
 
 BlockEntry (48 bytes)
@@ -54,6 +57,7 @@ RECORD_META_PREFIX = b"m"
 CHECKPOINT_KEY = b"Mcheckpoint"
 STATS_KEY = b"Mstats"
 SEAL_KEY = b"Mseal"
+STORE_KEY = b"Mstore"
 
 _ENTRY = struct.Struct("<IQIIQqIBBHI")
 ENTRY_BYTES = 48

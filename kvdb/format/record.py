@@ -3,17 +3,29 @@
 All integers are little-endian. A log is a directory of segment files ``00000001.log``,
 ``00000002.log``, ... (segment numbers increase by one; compaction may delete old ones).
 
-Segment header (32 bytes, at offset 0 of every segment)
-=======================================================
+Segment header (48 bytes, at offset 0 of every segment; version 2)
+==================================================================
 
     off  size  field
-      0     8  magic        b"KVDBLOG\\x00"
-      8     2  version      u16, currently 1 (SEGMENT_VERSION)
+      0     8  magic        b"KVDBLOG\x00"
+      8     2  version      u16, 2 (SEGMENT_VERSION)
      10     2  flags        u16, reserved, 0
      12     4  segment_no   u32, equals the number in the file name
      16     8  first_lsn    u64, lsn of the first record the writer put in this segment
-     24     4  reserved     u32, 0
-     28     4  crc32c       u32 over bytes 0..28
+     24    16  store_id     the store's id (MANIFEST.json ``store_id``, kvdb/format/manifest.py);
+                            16 zero bytes: a store without one (legacy, or a log opened on its own)
+     40     4  reserved     u32, 0
+     44     4  crc32c       u32 over bytes 0..44
+
+Version 1 (32 bytes, segments written before store ids; read, never written): magic 8 |
+version u16 = 1 | flags u16 | segment_no u32 | first_lsn u64 | reserved u32 | crc32c u32 over
+bytes 0..28. Its records start at byte 32 and it carries no store id (decoded as zeros). Every
+reader takes a segment's first record offset from its header (``SegmentHeader.header_bytes``).
+
+Worked example: segment 1, first lsn 5, store id a0 a1 .. af (tests/golden/segment_header.bin):
+
+    4b 56 44 42 4c 4f 47 00 | 02 00 | 00 00 | 01 00 00 00 | 05 00 00 00 00 00 00 00 |
+    a0 a1 a2 a3 a4 a5 a6 a7 a8 a9 aa ab ac ad ae af | 00 00 00 00 | crc32c of the 44 bytes before
 
 Record (17-byte header + body), records follow each other with no padding
 =========================================================================
@@ -71,9 +83,12 @@ from kvdb.errors import CorruptionError, InvalidInput
 from kvdb.types import KEY_BYTES
 
 SEGMENT_MAGIC = b"KVDBLOG\x00"
-SEGMENT_VERSION = 1
-SEGMENT_HEADER = struct.Struct("<8sHHIQI")  # + crc u32
-SEGMENT_HEADER_BYTES = 32
+SEGMENT_VERSION = 2
+SEGMENT_HEADER = struct.Struct("<8sHHIQ16sI")  # + crc u32
+SEGMENT_HEADER_BYTES = 48  # what the writer writes (version 2); MAX_ as well
+SEGMENT_HEADER_V1 = struct.Struct("<8sHHIQI")  # + crc u32
+SEGMENT_HEADER_V1_BYTES = 32
+NO_STORE_ID = bytes(16)
 
 RECORD_HEADER = struct.Struct("<IIBQ")
 RECORD_HEADER_BYTES = 17
@@ -118,6 +133,12 @@ class SegmentHeader:
     segment_no: int
     first_lsn: int
     version: int = SEGMENT_VERSION
+    store_id: bytes = NO_STORE_ID
+
+    @property
+    def header_bytes(self) -> int:
+        """Where the segment's first record starts."""
+        return SEGMENT_HEADER_V1_BYTES if self.version == 1 else SEGMENT_HEADER_BYTES
 
 
 def segment_name(segment_no: int) -> str:
@@ -130,25 +151,43 @@ def parse_segment_name(name: str) -> int | None:
     return None
 
 
-def encode_segment_header(segment_no: int, first_lsn: int) -> bytes:
-    head = SEGMENT_HEADER.pack(SEGMENT_MAGIC, SEGMENT_VERSION, 0, segment_no, first_lsn, 0)
+def encode_segment_header(segment_no: int, first_lsn: int, store_id: bytes | None = None) -> bytes:
+    sid = NO_STORE_ID if store_id is None else store_id
+    if len(sid) != len(NO_STORE_ID):
+        raise InvalidInput(f"a store id is {len(NO_STORE_ID)} bytes, got {len(sid)}")
+    head = SEGMENT_HEADER.pack(SEGMENT_MAGIC, SEGMENT_VERSION, 0, segment_no, first_lsn, sid, 0)
     return head + struct.pack("<I", native.crc32c(head))
 
 
+def guess_header_bytes(buf) -> int:
+    """Where records start in a segment whose header may be damaged: after a version 1 header
+    when its version field still says 1, else after a version 2 one."""
+    return SEGMENT_HEADER_V1_BYTES if bytes(buf[8:10]) == b"\x01\x00" else SEGMENT_HEADER_BYTES
+
+
 def decode_segment_header(buf: bytes) -> SegmentHeader:
-    """Raises CorruptionError when ``buf`` is not an intact segment header."""
-    if len(buf) < SEGMENT_HEADER_BYTES:
+    """Raises CorruptionError when ``buf`` does not start with an intact segment header (of
+    either version; ``buf`` may run on past it)."""
+    if len(buf) < SEGMENT_HEADER_V1_BYTES:
         raise CorruptionError(f"segment header is {len(buf)} bytes, expected {SEGMENT_HEADER_BYTES}")
-    head = bytes(buf[:28])
-    (crc,) = struct.unpack_from("<I", buf, 28)
+    (version,) = struct.unpack_from("<H", buf, 8)
+    if version == 1:
+        size, layout = SEGMENT_HEADER_V1_BYTES, SEGMENT_HEADER_V1
+    else:
+        size, layout = SEGMENT_HEADER_BYTES, SEGMENT_HEADER
+        if len(buf) < size:
+            raise CorruptionError(f"segment header is {len(buf)} bytes, expected {size}")
+    head = bytes(buf[: size - 4])
+    (crc,) = struct.unpack_from("<I", buf, size - 4)
     if native.crc32c(head) != crc:
         raise CorruptionError("segment header checksum mismatch")
-    magic, version, _flags, segment_no, first_lsn, _ = SEGMENT_HEADER.unpack(head)
+    fields = layout.unpack(head)
+    magic, segment_no, first_lsn = fields[0], fields[3], fields[4]
     if magic != SEGMENT_MAGIC:
         raise CorruptionError(f"bad segment magic {magic!r}")
-    if version != SEGMENT_VERSION:
-        raise CorruptionError(f"segment format version {version} is not supported (expected {SEGMENT_VERSION})")
-    return SegmentHeader(segment_no, first_lsn, version)
+    if version not in (1, SEGMENT_VERSION):
+        raise CorruptionError(f"segment format version {version} is not supported (expected {SEGMENT_VERSION} or 1)")
+    return SegmentHeader(segment_no, first_lsn, version, fields[5] if version == 2 else NO_STORE_ID)
 
 
 # ---------------------------------------------------------------- record header

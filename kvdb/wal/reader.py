@@ -42,6 +42,7 @@ from kvdb.format.record import (
     decode_delete,
     decode_meta,
     decode_segment_header,
+    guess_header_bytes,
 )
 from kvdb.types import KEY_BYTES
 
@@ -186,20 +187,21 @@ def scan_buffer(buf, segment_no: int, start: int | None = None, expect_lsn: int 
     except CorruptionError:
         header = None
     scan = SegmentScan(segment_no, header, size)
+    first = header.header_bytes if header is not None else guess_header_bytes(buf[:SEGMENT_HEADER_BYTES])
     if header is None:
         scan.ending = "bad-header"
         scan.end = 0
         if start is None:
             # the header is gone; records may still be intact after it (damage, not a torn create)
-            start = SEGMENT_HEADER_BYTES
-            if size <= SEGMENT_HEADER_BYTES:
+            start = first
+            if size <= first:
                 return scan
-            scan.damage.append(Damage(0, SEGMENT_HEADER_BYTES, "segment header"))
+            scan.damage.append(Damage(0, first, "segment header"))
     elif header.segment_no != segment_no:
-        scan.damage.append(Damage(0, SEGMENT_HEADER_BYTES, f"header names segment {header.segment_no}"))
+        scan.damage.append(Damage(0, first, f"header names segment {header.segment_no}"))
     if start is None:
-        start = SEGMENT_HEADER_BYTES
-    if expect_lsn is None and header is not None and start == SEGMENT_HEADER_BYTES:
+        start = first
+    if expect_lsn is None and header is not None and start == first:
         expect_lsn = header.first_lsn
     off = start
     scan.end = off
@@ -294,7 +296,7 @@ def summarize_segment(path: str, segment_no: int) -> SegmentSummary:
         if header.segment_no != segment_no:
             return out
         expect = header.first_lsn
-        off = SEGMENT_HEADER_BYTES
+        off = header.header_bytes
         win, win_off = b"", off
 
         big = False  # the last record was large: read the next header alone, not a window

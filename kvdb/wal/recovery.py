@@ -101,7 +101,7 @@ def recover(fs: OsFs, wal_dir: str, checkpoint: Checkpoint | None, apply, *, rep
         elif scan.header is not None:
             max_lsn = max(max_lsn, scan.header.first_lsn - 1)
         if scan.ending == "bad-header":
-            if is_last and scan.file_bytes <= SEGMENT_HEADER_BYTES:
+            if is_last and scan.file_bytes <= SEGMENT_HEADER_BYTES:  # (a version 1 header: 32 bytes)
                 # step 4: the crash came while this segment was being created
                 if repair:
                     fs.unlink(path)

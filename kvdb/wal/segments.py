@@ -2,7 +2,8 @@
 half of its VersionSet do).
 
 A segment is a file named ``segment_name(n)`` (kvdb/format/record.py: eight decimal digits and
-``.log``), holding a 32-byte header and then records back to back. Numbers only grow. The
+``.log``), holding a header (48 bytes; 32 in version 1 segments) and then records back to
+back. Numbers only grow. The
 highest segment is the *active* one, the only one the writer appends to (kvdb/wal/writer.py);
 every lower one is *sealed*: fsynced in full before the next was created (W3), and never
 written again, so its size and its summary never change and are cached here.
@@ -20,7 +21,13 @@ from __future__ import annotations
 
 import os
 
-from kvdb.format.record import SEGMENT_HEADER_BYTES, decode_segment_header, parse_segment_name, segment_name
+from kvdb.format.record import (
+    SEGMENT_HEADER_BYTES,
+    SegmentHeader,
+    decode_segment_header,
+    parse_segment_name,
+    segment_name,
+)
 from kvdb.fs import OsFs
 from kvdb.wal.reader import SegmentSummary, summarize_segment
 
@@ -82,13 +89,17 @@ class SegmentSet:
             out[x] = size
         return out
 
-    def first_lsn(self, segment_no: int) -> int:
-        """The lsn its header says its first record has."""
+    def header(self, segment_no: int) -> SegmentHeader:
+        """Its header (either version; CorruptionError when damaged, OSError when unreadable)."""
         fd = self.fs.open_read(self.path(segment_no))
         try:
-            return decode_segment_header(self.fs.pread(fd, SEGMENT_HEADER_BYTES, 0)).first_lsn
+            return decode_segment_header(self.fs.pread(fd, SEGMENT_HEADER_BYTES, 0))
         finally:
             self.fs.close(fd)
+
+    def first_lsn(self, segment_no: int) -> int:
+        """The lsn its header says its first record has."""
+        return self.header(segment_no).first_lsn
 
     def last_lsn(self, segment_no: int, segments: list[int]) -> int | None:
         """The lsn of the last record of a sealed segment: the next segment's first lsn - 1

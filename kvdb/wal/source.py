@@ -55,14 +55,23 @@ class SegmentLogSource:
             self._maps[seg] = m
         return m
 
-    def _header_first_lsn(self, seg: int) -> int | None:
+    def _header(self, seg: int):
+        """The segment's header (kvdb/format/record.py, either version), None if gone or damaged."""
         m = self._map(seg, SEGMENT_HEADER_BYTES)
-        if m is None or len(m) < SEGMENT_HEADER_BYTES:
+        if m is None:
             return None
         try:
-            return decode_segment_header(m[:SEGMENT_HEADER_BYTES]).first_lsn
+            return decode_segment_header(m[:SEGMENT_HEADER_BYTES])
         except CorruptionError:
             return None
+
+    def _header_first_lsn(self, seg: int) -> int | None:
+        h = self._header(seg)
+        return None if h is None else h.first_lsn
+
+    def _records_start(self, seg: int) -> int:
+        h = self._header(seg)
+        return SEGMENT_HEADER_BYTES if h is None else h.header_bytes
 
     def durable_lsn(self) -> int:
         if self._durable is not None:
@@ -94,7 +103,7 @@ class SegmentLogSource:
         if start is None:
             return None
         for seg in segs[segs.index(start):]:
-            off = SEGMENT_HEADER_BYTES
+            off = self._records_start(seg)
             while True:
                 m = self._map(seg, off + RECORD_HEADER_BYTES)  # remaps a map older than the file
                 if m is None or off + RECORD_HEADER_BYTES > len(m):
@@ -125,7 +134,8 @@ class SegmentLogSource:
                     nxt = [s for s in segs if s > seg]
                     if not nxt:
                         break
-                    seg, off = nxt[0], SEGMENT_HEADER_BYTES
+                    seg = nxt[0]
+                    off = self._records_start(seg)
                     continue
                 length, _crc, _t, rec_lsn = RECORD_HEADER.unpack_from(m, off)
                 nbytes = RECORD_HEADER_BYTES + length

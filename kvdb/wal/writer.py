@@ -68,10 +68,12 @@ class _Segment:
 
 class LogWriter:
     def __init__(self, fs: OsFs, wal_dir: str, *, segment_no: int, offset: int, next_lsn: int,
-                 segment_bytes: int) -> None:
+                 segment_bytes: int, store_id: bytes | None = None) -> None:
         """Appends resume in ``segment_no`` at ``offset`` (0: create that segment) with
-        ``next_lsn`` (kvdb/wal/recovery.py finds all three)."""
+        ``next_lsn`` (kvdb/wal/recovery.py finds all three); every segment it creates carries
+        ``store_id`` in its header (None: zeros, a store without an id)."""
         self.fs = fs
+        self.store_id = store_id
         self.wal_dir = wal_dir
         self.segment_bytes = segment_bytes
         self.lock = threading.RLock()
@@ -98,7 +100,7 @@ class LogWriter:
         path = segment_path(self.wal_dir, segment_no)
         fd = self.fs.create(path)
         seg = _Segment(segment_no, path, fd, 0)
-        self.fs.writev(fd, path, [encode_segment_header(segment_no, self.next_lsn)])
+        self.fs.writev(fd, path, [encode_segment_header(segment_no, self.next_lsn, self.store_id)])
         seg.offset = SEGMENT_HEADER_BYTES
         self.fs.sync(fd, path)
         self.fs.sync_dir(self.wal_dir)

@@ -37,7 +37,7 @@ def test_wal_dump_lists_every_record(tmp_path):
     assert [row["lsn"] for row in rows] == list(range(1, len(rows) + 1))
     first = rows[0]
     assert (first["segment"], first["offset"], first["key"], first["position"], first["raw_bytes"]) == \
-        (1, 32, key(0).hex(), 0, TINY.page_bytes)
+        (1, 48, key(0).hex(), 0, TINY.page_bytes)  # after the 48-byte segment header
     delete = next(row for row in rows if row["type"] == "DELETE")
     assert delete["keys"] == [key(i).hex() for i in range(4)]
     text = run("wal", "dump", str(tmp_path))

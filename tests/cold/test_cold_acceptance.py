@@ -338,7 +338,8 @@ def golden_examples(monkeypatch, tmp_path) -> dict[str, bytes]:
     stats = dict.fromkeys(("hits", "misses", "corruptions", "evictions", "puts", "deletes", "segments_deleted",
                            "lookup_hits", "lookup_misses"), 0) | {"hits": 5, "misses": 2, "puts": 8}
     mf.write_manifest(tmp_path, {"model_id": "llama-3-8b", "layout": LAYOUT.to_dict(), "key_algo": "sha256",
-                                 "key_secret_id": "3f2a", "model_revision": None})
+                                 "key_secret_id": "3f2a", "model_revision": None,
+                                 "store_id": bytes(range(0xA0, 0xB0)).hex()})
     return {
         "payload_sealed.bin": sealer.seal(PLAINTEXT, codec_mod.aad(KEY_A, 7, 3, Codec.RAW)),
         "index_seal_check.bin": sealer.key_check(),
@@ -371,6 +372,7 @@ def test_golden_sealed_payload_and_key_check_open_with_their_key_only():
     assert iv.decode_stats((GOLDEN / "index_stats.bin").read_bytes())["puts"] == 8
     m = json.loads((GOLDEN / "manifest.json").read_bytes())
     assert m["format"] == "kvdb-manifest" and m["version"] == 1 and m["layout"] == LAYOUT.to_dict()
+    assert mf.store_id_of(m) == bytes(range(0xA0, 0xB0))
 
 
 def test_golden_zstd_plane_payload_decodes_to_its_page():

@@ -21,6 +21,7 @@ from kvdb.wal.reader import scan_buffer
 GOLDEN = Path(__file__).resolve().parent.parent / "golden"
 KEY_A = bytes(range(16))
 KEY_B = bytes(range(16, 32))
+STORE_ID = bytes(range(0xA0, 0xB0))
 
 
 def golden_examples() -> dict[str, bytes]:
@@ -32,7 +33,7 @@ def golden_examples() -> dict[str, bytes]:
     ttl = fr.encode_record(fr.RecordType.TTL, 8, fr.encode_meta(KEY_B, struct.pack("<Q", 1_700_000_000_000_000_000)))
     lease = fr.encode_record(fr.RecordType.LEASE, 9, fr.encode_meta(KEY_A, b"engine-0"))
     ckpt = fr.encode_record(fr.RecordType.CHECKPOINT, 10, fr.encode_checkpoint(9))
-    header = fr.encode_segment_header(1, 5)
+    header = fr.encode_segment_header(1, 5, STORE_ID)
     entry = iv.encode_entry(iv.BlockEntry(1, 32, 57, 0x11223344, 5, 3, 7, 0, 0, 4))
     return {
         "segment_header.bin": header,
@@ -95,10 +96,28 @@ def test_golden_segment_scans_to_its_records():
     assert fr.decode_checkpoint(scan.records[5].body) == 9
 
 
+def test_segment_header_worked_example_and_version_1():
+    # Scenario: the version 2 header of kvdb/format/record.py's docstring, field by field, and the
+    # version 1 golden files (segments written before store ids) still decode and scan: their
+    # records start at byte 32 and they carry no store id.
+    h = (GOLDEN / "segment_header.bin").read_bytes()
+    assert len(h) == 48 and h[8:10] == b"\x02\x00" and h[24:40] == STORE_ID
+    assert fr.decode_segment_header(h) == fr.SegmentHeader(1, 5, 2, STORE_ID)
+    assert fr.decode_segment_header(h).header_bytes == 48
+    old = (GOLDEN / "segment_header_v1.bin").read_bytes()
+    assert len(old) == 32
+    assert fr.decode_segment_header(old) == fr.SegmentHeader(1, 5, 1, fr.NO_STORE_ID)
+    assert fr.decode_segment_header(old).header_bytes == 32
+    scan = scan_buffer((GOLDEN / "segment_example_v1.log").read_bytes(), 1)
+    assert scan.ending == "clean" and scan.damage == []
+    assert [r.lsn for r in scan.records] == [5, 6, 7, 8, 9, 10]
+    assert scan.records[0].offset == 32
+
+
 def test_segment_header_rejects_damage():
-    h = bytearray(fr.encode_segment_header(3, 77))
-    assert fr.decode_segment_header(bytes(h)) == fr.SegmentHeader(3, 77)
-    for i in (0, 9, 12, 20, 29):
+    h = bytearray(fr.encode_segment_header(3, 77, STORE_ID))
+    assert fr.decode_segment_header(bytes(h)) == fr.SegmentHeader(3, 77, 2, STORE_ID)
+    for i in (0, 9, 12, 20, 30, 41, 45):
         bad = bytearray(h)
         bad[i] ^= 0x10
         with pytest.raises(CorruptionError):

@@ -19,6 +19,8 @@ import torch
 import kvdb
 from kvdb.errors import CorruptionError, ReplicationError
 from kvdb.format import position
+from kvdb.format.index_value import STORE_KEY
+from kvdb.format.record import decode_segment_header
 from kvdb.replication import NodeServer, Peer
 from kvdb.replication.replicator import Replicator
 from kvdb.replication.reseed import (
@@ -113,7 +115,14 @@ def test_a_follower_of_another_log_is_reseeded_when_asked(netns, tmp_path, kind)
         srv.stop()
         srv.db.close()
     assert not (tmp_path / "f" / "replication" / STAGING_DIR).exists()
+    # the copy was written by f's own staging Db (f's MANIFEST.json copied in): every file of it
+    # carries f's store id, not b's (kvdb/format/swap.py COPIED)
+    f_id = json.loads((tmp_path / "f" / "MANIFEST.json").read_text())["store_id"]
+    assert f_id != json.loads((tmp_path / "b" / "MANIFEST.json").read_text())["store_id"]
+    assert {decode_segment_header(p.read_bytes()[:48]).store_id.hex() for p in (tmp_path / "f" / "wal").glob("*.log")} \
+        == {f_id}
     with open_db(tmp_path / "f") as plain:
+        assert plain.cold_store.index.get(STORE_KEY).hex() == f_id
         got = _blocks_of(plain, ka + kb + kc)
         assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
         assert plain.cold_store.find_metadata("lease", b"l") == b"holder"
