@@ -218,6 +218,11 @@ SWEEP = [
     (lambda db: db.near_match("a prompt"), "expected a rendered prompt"),
     (lambda db: db.push(KEYS, "127.0.0.1:1"), "this Db has no replication"),
     (lambda db: db.sync_replicas(), "this Db has no replication"),
+    (lambda db: db.push(None, "127.0.0.1:1"), "keys must be a sequence"),
+    (lambda db: db.push(KEYS, 7070), "peer must be a 'host:port' string"),
+    (lambda db: db.push(KEYS, "127.0.0.1:1", durability="later"), "durability must be one of"),
+    (lambda db: db.sync_replicas(timeout_s=NAN), "timeout_s must be a finite number"),
+    (lambda db: db.sync_replicas(timeout_s=HUGE), "timeout_s must be a finite number"),
 ]
 
 

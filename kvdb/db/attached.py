@@ -17,6 +17,8 @@ object with ``attach_replication``. The Db then
 
 from __future__ import annotations
 
+import math
+
 from typing import Callable
 
 from kvdb.errors import InvalidInput
@@ -61,12 +63,22 @@ class AttachedMixin:
         self._check()
         if durability not in DURABILITIES:
             raise InvalidInput(f"durability must be one of {DURABILITIES}, got {durability!r}")
-        return self._need_replication().push(normalize_keys(keys), peer, durability=durability)
+        if not isinstance(peer, str) or not peer:
+            raise InvalidInput(f"peer must be a 'host:port' string, got {peer!r}")
+        keys = normalize_keys(keys)
+        return self._need_replication().push(keys, peer, durability=durability)
 
     def sync_replicas(self, timeout_s: float = 30.0) -> int:
         """Wait until every follower confirmed everything written so far; returns that LSN.
         ReplicationError names the followers still behind after ``timeout_s``."""
         self._check()
+        try:  # before the flush it starts with; an int past float's range is no timeout either
+            ok = not isinstance(timeout_s, bool) and isinstance(timeout_s, (int, float)) and 0 <= timeout_s < math.inf
+            ok = ok and math.isfinite(float(timeout_s))
+        except OverflowError:
+            ok = False
+        if not ok:
+            raise InvalidInput(f"timeout_s must be a finite number of seconds >= 0, got {timeout_s!r:.40}")
         return self._need_replication().sync_replicas(timeout_s)
 
     def reseed_replica(self, addr: str) -> None:

@@ -4,7 +4,8 @@ Part of the class ``kvdb.db.core.Db`` (a mixin of kvdb/db/plans/; the Db's lock 
 
 Shared prefixes (hint ``prefix_hash``)
     ``prefix_hash`` names a shared prefix (system prompt + tool schemas) by the key of its
-    last block: a 32-hex-digit string is a kvdb ``BlockKey`` (``db.block_keys(...)[-1].hex()``),
+    last block: a kvdb ``BlockKey`` (``db.block_keys(...)[-1]``; the hint check turns it into
+    its 32 hex digits, kvdb/planner/hints.py) or those digits as a string,
     an integer is the engine's own hash of that block (mapped like ``db.engine_keys``, in the
     session's tenant). The Db resolves it through the chains it has seen in calls *of the
     session's tenant* (open agents' chains and the last ``RECENT_CHAINS`` ones): the prefix
