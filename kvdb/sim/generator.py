@@ -136,11 +136,12 @@ class _Agent:
     """One agent's prompt in one session: head (system prompt, tool schemas), the session's
     task, shared context (chain breaks) and its own history, with the ids of all of it."""
 
-    __slots__ = ("tools", "version", "ctx", "hist", "contents", "ids", "calls")
+    __slots__ = ("tools", "version", "base", "ctx", "hist", "contents", "ids", "calls")
 
     def __init__(self, tools: list[str]) -> None:
         self.tools = tools
         self.version = 0  # the session's tool-list version its head was built with
+        self.base = 0  # blocks of head + task at the front of contents
         self.ctx: list = []
         self.hist: list = []
         self.contents: list = []
@@ -197,14 +198,21 @@ def _events(params: dict[str, Any]) -> list[tuple[int, int, dict[str, Any]]]:
         def call(agent: str, node: str, t: float, hints: dict[str, Any] | None) -> None:
             nonlocal uid
             st = agents[agent]
-            rebuild = not st.calls or st.version != version
+            new_head = not st.calls or st.version != version
             st.version = version
-            if st.calls and sh.breaks():
+            broken = bool(st.calls) and sh.breaks()
+            if broken:
                 st.ctx = [(sid, agent, "ctx", st.calls, k) for k in range(sh.context_blocks())]
-                rebuild = True
-            if rebuild:
-                st.contents = head(agent, st) + task + st.ctx + st.hist
+            if new_head:
+                base = head(agent, st) + task
+                st.base = len(base)
+                st.contents = base + st.ctx + st.hist
                 st.ids = chains.ids(st.contents)
+            elif broken:  # head and task keep their ids; context and history get new ones
+                b = st.base
+                rest = st.ctx + st.hist
+                st.contents = st.contents[:b] + rest
+                st.ids = st.ids[:b] + chains.extend(st.ids[b - 1] if b else -1, rest)
             n0 = len(st.contents)
             new = [(sid, agent, n0 + k) for k in range(rng.randint(*params["turn_blocks"]))]
             st.hist.extend(new)
