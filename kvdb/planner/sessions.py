@@ -93,13 +93,17 @@ def check_now(now_s: Any) -> float:
     return t
 
 
-def check_session_args(session_id: Any, tenant: Any = None, *, optional: bool = False) -> None:
-    """A session id (a non-empty string; None too when ``optional``) and a tenant (None or a
-    key space's tenant: kvdb/keys.py ``check_tenant``); InvalidInput before anything changes."""
+def check_session_args(session_id: Any, tenant: Any = None, *, optional: bool = False, **ids: Any) -> None:
+    """A session id (a non-empty string; None too when ``optional``), a tenant (None or a key
+    space's tenant: kvdb/keys.py ``check_tenant``) and ``ids`` (``agent_id``, ``node_id``: None
+    or a non-empty string); InvalidInput before anything changes."""
     if not (optional and session_id is None) and (not isinstance(session_id, str) or not session_id):
         raise InvalidInput(f"a session id must be a non-empty string, got {session_id!r}")
     if tenant is not None:
         check_tenant(tenant)
+    for name, v in ids.items():
+        if v is not None and (not isinstance(v, str) or not v):
+            raise InvalidInput(f"{name} must be a non-empty string or None, got {v!r}")
 
 
 class Planner:
@@ -199,7 +203,7 @@ class Planner:
         """A call arrived: returns the AccessContext for the replacer and the hint outcomes.
         Every argument is checked before anything changes (no session opened, nothing counted)."""
         now = self._now(now_s)
-        check_session_args(session_id, tenant, optional=True)
+        check_session_args(session_id, tenant, optional=True, agent_id=agent_id, node_id=node_id)
         usable, outcomes = check_hints(hints or {})
         s = None if session_id is None else self._sessions.get(session_id)
         if s is not None and node_id is not None and s.workflow is not None and node_id not in s.workflow.nodes:
@@ -224,7 +228,7 @@ class Planner:
     def call_finished(self, session_id: str | None, *, node_id: str | None = None, agent_id: str | None = None,
                       hints: Mapping[str, Any] | None = None, now_s: float | None = None) -> None:
         now = self._now(now_s)
-        check_session_args(session_id, optional=True)
+        check_session_args(session_id, optional=True, agent_id=agent_id, node_id=node_id)
         if session_id is not None:
             s = self._sessions.get(session_id)
             if s is not None:

@@ -70,6 +70,7 @@ class PlansMixin(ChainsMixin, WaitsMixin, PrefixesMixin, ExpiryMixin):
             return self._hint_locked(session_id, agent_id, hints, now_s)
 
     def _hint_locked(self, sid: str, agent_id, hints: dict, now_s) -> list[HintOutcome]:
+        check_session_args(sid, agent_id=agent_id)
         if agent_id is not None and agent_id not in self._agents.get(sid, {}):
             self.planner.get_session(sid)  # NotFound first
             raise InvalidInput(f"session {sid!r} has no agent {agent_id!r} yet (agents appear with their "
@@ -121,7 +122,7 @@ class PlansMixin(ChainsMixin, WaitsMixin, PrefixesMixin, ExpiryMixin):
         outcomes of those hints."""
         self._check()
         now_s = None if now_s is None else check_now(now_s)
-        check_session_args(session_id, optional=True)
+        check_session_args(session_id, optional=True, agent_id=agent_id, node_id=node_id)
         with self._lock:
             outcomes = []
             if hints:
