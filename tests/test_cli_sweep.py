@@ -114,6 +114,9 @@ def test_bad_numbers_are_usage_errors(path, cmd, p, fillers):
     check(run(*path, *fillers(cmd, p, "abc")), 2, p.opts[0])
     if p.name not in SIGNED:
         check(run(*path, *fillers(cmd, p, "-5")), 2, p.opts[0])
+    if isinstance(p.type, click.types.FloatParamType):  # nan compares past every bound
+        check(run(*path, *fillers(cmd, p, "nan")), 2, p.opts[0])
+        check(run(*path, *fillers(cmd, p, "inf")), 2, p.opts[0])
 
 
 def test_size_options_take_size_strings(fillers):

@@ -11,7 +11,7 @@ import sys
 
 import click
 
-from kvdb.cli.output import emit, json_option, progress, writable_file
+from kvdb.cli.output import FiniteRange, emit, json_option, progress, writable_file
 
 
 def _need_transformers() -> None:
@@ -23,7 +23,7 @@ def _need_transformers() -> None:
 
 @click.command("ttft")
 @click.option("--prompt-tokens", type=click.IntRange(min=1), default=8192, show_default=True, help="prompt length")
-@click.option("--stored-fraction", default=7 / 8, show_default=True, type=click.FloatRange(0, 1), help="share of the prompt stored")
+@click.option("--stored-fraction", default=7 / 8, show_default=True, type=FiniteRange(0, 1), help="share of the prompt stored")
 @click.option("--block-tokens", type=click.IntRange(min=1), default=16, show_default=True)
 @click.option("--repeats", type=click.IntRange(min=1), default=5, show_default=True, help="rounds; each figure is the best round")
 @click.option("--data-dir", type=click.Path(file_okay=False), default=None, help="default: a temporary directory")

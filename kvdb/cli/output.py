@@ -93,3 +93,15 @@ def writable_file(what: str):
         raise KvdbError(f"cannot write {what} to {value!r}: {reason}")
 
     return check
+
+
+class FiniteRange(click.FloatRange):
+    """``click.FloatRange`` that also refuses ``nan`` and ``inf`` (which compare past its bounds)."""
+
+    def convert(self, value, param, ctx):
+        import math
+
+        rv = super().convert(value, param, ctx)
+        if not math.isfinite(rv):
+            self.fail(f"{value!r} is not a finite number", param, ctx)
+        return rv

@@ -9,7 +9,7 @@ from contextlib import nullcontext
 import click
 
 from kvdb.errors import InvalidInput
-from kvdb.cli.output import writable_file
+from kvdb.cli.output import FiniteRange, writable_file
 from kvdb.sim.shapes import PRESETS
 
 
@@ -40,12 +40,12 @@ def _progress(total: int, enabled: bool):
               help="lru, lfu, arc, kvflow, tokencake, kvdb, belady (repeatable)")
 @click.option("--capacity", "capacities", type=click.IntRange(min=1), multiple=True,
               help="device capacity in blocks (repeatable)")
-@click.option("--capacity-fraction", "fractions", type=click.FloatRange(0, 1, min_open=True), multiple=True,
+@click.option("--capacity-fraction", "fractions", type=FiniteRange(0, 1, min_open=True), multiple=True,
               help="capacity as a share of the trace's distinct blocks (repeatable)")
 @click.option("--timed", is_flag=True, help="timed replay (TTFT, job completion time) instead of hit ratios")
-@click.option("--host-factor", type=click.FloatRange(min=0), default=4.0, show_default=True,
+@click.option("--host-factor", type=FiniteRange(min=0), default=4.0, show_default=True,
               help="--timed: host tier capacity as a multiple of the device capacity")
-@click.option("--disk-factor", type=click.FloatRange(min=0), default=0.0, show_default=True,
+@click.option("--disk-factor", type=FiniteRange(min=0), default=0.0, show_default=True,
               help="--timed: disk tier capacity as a multiple of the device capacity (0: no disk tier)")
 @click.option("--json", "as_json", is_flag=True, help="print a JSON list, one object per (policy, capacity)")
 @click.option("--per-request-out", type=click.Path(dir_okay=False), callback=writable_file("the per-request lines"),
@@ -135,17 +135,17 @@ def _plot(rows, path):
 @click.option("--seed", type=int, help="override the seed")
 @click.option("--sessions", type=click.IntRange(min=1), help="override the number of sessions")
 @click.option("--no-hints", is_flag=True, help="emit no hints")
-@click.option("--hint-noise", type=click.FloatRange(min=0), help="sigma of the hints' log-normal noise")
+@click.option("--hint-noise", type=FiniteRange(min=0), help="sigma of the hints' log-normal noise")
 @click.option("--prompts", is_flag=True,
               help="write a prompt trace instead (MCP-like tools and messages: kvdb/sim/prompt_gen.py)")
-@click.option("--tool-order-churn", type=click.FloatRange(0, 1), help="--prompts: probability per call that the tool lists arrive reordered")
-@click.option("--json-key-noise", type=click.FloatRange(0, 1), help="--prompts: probability per call of a random key order in every JSON object")
-@click.option("--tool-list-change", type=click.FloatRange(0, 1),
+@click.option("--tool-order-churn", type=FiniteRange(0, 1), help="--prompts: probability per call that the tool lists arrive reordered")
+@click.option("--json-key-noise", type=FiniteRange(0, 1), help="--prompts: probability per call of a random key order in every JSON object")
+@click.option("--tool-list-change", type=FiniteRange(0, 1),
               help="probability that a tool is added or removed: with --prompts per call; otherwise per session, "
                    "once, at the start of a round after the first (default 0)")
 @click.option("--shape", type=click.Choice(sorted(PRESETS)),
               help="a preset of workload shapes (kvdb/sim/shapes.py); the options below override it")
-@click.option("--chain-breaks", type=click.FloatRange(0, 1),
+@click.option("--chain-breaks", type=FiniteRange(0, 1),
               help="probability per call that shared context is inserted before the agent's own history (default 0)")
 @click.option("--apps", type=click.IntRange(min=0),
               help="applications, each with system prompts and a tool-schema block shared by its sessions (default 0: off)")
@@ -158,11 +158,11 @@ def _plot(rows, path):
               help="--react: the tail of the tool waits (default lognormal)")
 @click.option("--namespaced-agents/--plain-agents", default=None,
               help="calls name their agent ns/<session>/<agent>, workflow nodes <agent> (default plain)")
-@click.option("--hint-scale", type=click.FloatRange(0, min_open=True),
+@click.option("--hint-scale", type=FiniteRange(0, min_open=True),
               help="wrong hints: every declared tool duration times this factor (default 1)")
 @click.option("--hint-shuffle", is_flag=True, default=None,
               help="wrong hints: the declared tool durations permuted across the trace")
-@click.option("--wrong-workflow", type=click.FloatRange(0, 1),
+@click.option("--wrong-workflow", type=FiniteRange(0, 1),
               help="wrong hints: probability per session that its workflow declares phantom workers and a phantom "
                    "round (default 0)")
 @click.option("-o", "--out", "out_path", type=click.Path(dir_okay=False), required=True,

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import click
 
-from kvdb.cli.output import emit, json_option, progress
+from kvdb.cli.output import FiniteRange, emit, json_option, progress
 
 
 @click.command("vllm")
 @click.option("--prompt-tokens", type=click.IntRange(min=1), default=8192, show_default=True, help="prompt length (tokens)")
-@click.option("--stored-fraction", default=7 / 8, show_default=True, type=click.FloatRange(0, 1),
+@click.option("--stored-fraction", default=7 / 8, show_default=True, type=FiniteRange(0, 1),
               help="share of the prompt seen before (rounded down to whole 128-token blocks)")
 @click.option("--repeats", type=click.IntRange(min=1), default=3, show_default=True, help="rounds; each figure is the median")
 @click.option("--data-dir", type=click.Path(file_okay=False), default=None, help="default: a temporary directory")
