@@ -76,8 +76,6 @@ def demo_cmd(data_dir: str, rounds: int, workers: int, chart_path: str | None, o
     _need_transformers()
     from kvdb.demo.agents import DemoConfig, render, run_demo
 
-    if rounds < 1 or workers < 1 or output_tokens < 1 or threads < 0:
-        raise click.UsageError("--rounds, --workers and --output-tokens must be >= 1, --threads >= 0")
     cfg = DemoConfig(data_dir=data_dir, rounds=rounds, workers=workers, chart_path=chart_path,
                      output_tokens=output_tokens, seed=seed, threads=threads or None)
     live = not as_json and sys.stderr.isatty()
