@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 from helpers import LAYOUT, Clock, agent_call, blocks_for, open_db
 
 import kvdb
@@ -308,3 +310,41 @@ def test_kvdb_open_signature_is_explicit_and_matches_db_and_readme():
         assert name in params, f"kvdb.open lacks Db's option {name}"
         assert params[name].default == p.default, name
     assert list(params) == _readme_open_params()
+
+
+# ---------------------------------------------------------------- property: a put either stores or leaves no trace
+
+_POSITION = st.one_of(st.sampled_from([-1, 0, 2**31 - 1, 2**31, 2**63, -(2**63)]),
+                      st.integers(min_value=-(2**70), max_value=2**70), st.floats(allow_nan=True), st.booleans(),
+                      st.none())
+_BAD_KEY = st.one_of(st.binary(max_size=15), st.binary(min_size=17, max_size=20), st.integers(), st.none())
+
+
+@st.composite
+def _put_args(draw):
+    n = draw(st.integers(min_value=1, max_value=3))
+    keys = draw(st.lists(st.binary(min_size=16, max_size=16), min_size=n, max_size=n, unique=True))
+    if draw(st.integers(0, 3)) == 0:  # now and then one malformed key
+        keys[draw(st.integers(0, n - 1))] = draw(_BAD_KEY)
+    positions = draw(st.one_of(st.none(), st.lists(_POSITION, min_size=n, max_size=n), st.lists(_POSITION, max_size=4)))
+    durability = draw(st.sampled_from([None, "none", "group", "sync", "fast", 1]))
+    tier = draw(st.sampled_from([None, None, "disk", "host"]))
+    return keys, positions, durability, tier
+
+
+@given(args=_put_args())
+def test_put_blocks_stores_or_leaves_no_trace(swept, args):
+    # any arguments: either the put succeeds, or it raises InvalidInput and nothing changed
+    # (never another exception type, never a frame or a log record left behind)
+    keys, positions, durability, tier = args
+    db, path = swept
+    before = snapshot(db, path)
+    try:
+        db.put_blocks(keys, blocks_for(len(keys)), positions=positions, durability=durability, tier=tier)
+    except InvalidInput:
+        assert snapshot(db, path) == before
+        return
+    assert all(isinstance(k, bytes) and len(k) == 16 for k in keys)
+    assert positions is None or all(isinstance(p, int) and 0 <= p < 2**31 for p in positions)
+    assert all(db.contains(k) for k in keys)
+    db.delete([k for k in keys if k not in KEYS[:2]])  # the sweep's fixture stays as it was
