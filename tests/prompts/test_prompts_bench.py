@@ -54,7 +54,7 @@ def test_gen_prompts_cli(tmp_path):
     bad = CliRunner().invoke(cli, ["gen", "--json-key-noise", "0.2", "-o", str(tmp_path / "x")])
     assert bad.exit_code == 2 and "--json-key-noise needs --prompts" in bad.output
     bad = CliRunner().invoke(cli, ["gen", "--prompts", "--tool-list-change", "1.5", "-o", str(tmp_path / "x")])
-    assert bad.exit_code == 1 and "probability" in bad.output
+    assert bad.exit_code == 2 and "--tool-list-change" in bad.output  # a usage error, refused while parsing
     (tmp_path / "junk.jsonl").write_text('{"type": "call"}\n')
     with pytest.raises(InvalidInput, match="not a kvdb prompt trace"):
         prompt_gen.read_trace(str(tmp_path / "junk.jsonl"))
