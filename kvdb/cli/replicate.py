@@ -73,6 +73,9 @@ def _positive_seconds(v: float) -> float:
               help="disk tier capacity in bytes, or a size like 100GiB (0: memory only; default: the Db's)")
 @click.option("--encryption-key-file", default=None, type=click.Path(exists=True, dir_okay=False),
               help="AES-256 key of the disk tier (a follower of an encrypted leader needs the leader's key)")
+@click.option("--key-secret-file", default=None, type=click.Path(dir_okay=False),
+              help="the cluster's key secret (at least 16 bytes, e.g. head -c 32 /dev/urandom): give every node "
+                   "the same file so a follower computes its leader's keys (default: the Db's own KEY_SECRET)")
 @click.option("--layout", "layout_json", default=None, help="layout JSON for a new data directory")
 @click.option("--model-id", default=None, help="model id for a new data directory")
 @click.option("--replica", "replicas", multiple=True, help="HOST:PORT of a follower to ship this node's log to")
@@ -88,8 +91,8 @@ def _positive_seconds(v: float) -> float:
                    "at http://HOST:PORT/metrics, HOST the --listen host (0 picks a free port); default: none")
 @json_option
 def serve_cmd(db_path, listen, secret_file, transport, node, host_bytes, disk_bytes, encryption_key_file,
-              layout_json, model_id, replicas, max_connections, max_handshakes, handshake_timeout_s, metrics_port,
-              as_json) -> None:
+              key_secret_file, layout_json, model_id, replicas, max_connections, max_handshakes, handshake_timeout_s,
+              metrics_port, as_json) -> None:
     """Own the Db at --db and serve pushes, lookups and log streams until SIGTERM / SIGINT;
     with --replica, also ship this node's log to those followers. A follower behind its
     leader's log is re-seeded from a copy (not a node that is itself a leader). Unauthenticated
@@ -106,6 +109,10 @@ def serve_cmd(db_path, listen, secret_file, transport, node, host_bytes, disk_by
         kw["disk_bytes"] = disk_bytes
     if encryption_key_file is not None:
         kw["encryption_key_file"] = encryption_key_file
+    if key_secret_file is not None:  # one key namespace per cluster (docs/replication.md)
+        from kvdb.db.open import read_key_secret_file
+
+        kw["key_secret"] = read_key_secret_file(key_secret_file)
 
     def reopen(path=db_path, host_bytes=host_bytes):  # the Db, or a re-seed's staging copy of it
         return kvdb.open(path, host_bytes=host_bytes, **kw)

@@ -52,7 +52,7 @@ from kvdb.format.layout import BlockLayout
 from kvdb.cold.codec import Sealer, read_key_file
 from kvdb.format.manifest import MANIFEST_NAME, STORE_ID_BYTES, read_manifest, store_id_of, write_manifest
 from kvdb.format.record import parse_segment_name
-from kvdb.format.secret import KEY_SECRET_NAME, SEALED_AAD, encode_sealed
+from kvdb.format.secret import KEY_SECRET_NAME, SEALED_AAD, SEALED_MAGIC, encode_sealed
 from kvdb.format.secret import decode as decode_secret
 from kvdb.format.swap import APPLIED_NAME, ASIDE_DIR, MOVED, REPLICATION_DIR, STAGING_DIR, SWAP_MARKER
 from kvdb.fs import OsFs, write_file_atomic
@@ -227,6 +227,23 @@ def load_secret(path: Path, key_secret: bytes | None, read_only: bool = False, s
     except CorruptionError:
         raise InvalidInput(f"the encryption key does not match the one {path} was created with "
                            f"({p} does not open under it)") from None
+
+
+def read_key_secret_file(path) -> bytes:
+    """A cluster's key secret file (docs/replication.md, "One key namespace per cluster"): its bytes
+    are the secret, as passed to ``kvdb.open(key_secret=)`` (at least 16; a plain PATH/KEY_SECRET of
+    a store without encryption is one). InvalidInput naming the file otherwise."""
+    try:
+        raw = Path(path).read_bytes()
+    except OSError as e:
+        raise InvalidInput(f"cannot read key secret file {path}: {e.strerror or e}") from None
+    if raw.startswith(SEALED_MAGIC):
+        raise InvalidInput(f"{path} is a sealed KEY_SECRET (it opens only under its store's encryption key); "
+                           "a key secret file holds the secret itself")
+    if len(raw) < 16:
+        raise InvalidInput(f"key secret file {path} holds {len(raw)} bytes; a key secret has at least 16 "
+                           "(make one with: head -c 32 /dev/urandom > FILE)")
+    return raw
 
 
 def seal_plain_file(path: Path, secret: bytes, sealer: Sealer) -> None:

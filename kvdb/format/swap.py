@@ -24,6 +24,10 @@ SWAP_MARKER = "RESEED_SWAP"
 STAGING_DIR = "reseed.new"
 ASIDE_DIR = "reseed.old"
 MOVED = ("wal", "index")  # the Db's durable state (the cold tier); everything else stays
-COPIED = ("MANIFEST.json", "KEY_SECRET")  # the follower's own identity, copied into the staging Db
+# the follower's own identity, copied into the staging Db: its store id (MANIFEST.json), so the
+# copy's segments and index carry the follower's id, and its key secret -- the cluster's when the
+# daemon was given one (docs/replication.md, "One key namespace per cluster"), which is what makes
+# the leader's keys the follower's own
+COPIED = ("MANIFEST.json", "KEY_SECRET")
 APPLIED_NAME = "applied_lsn"  # a follower's position file, in PATH/replication/
 REPLICATION_DIR = "replication"  # replication's state inside a Db directory

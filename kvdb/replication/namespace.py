@@ -11,8 +11,17 @@ the fields that differ, or None.
 A leader sends its namespace in SHIP_HELLO and a follower of another namespace refuses the
 stream with ERROR{INVALID} naming the fields (sink.py); a node sends its own in WELCOME, so a Db
 pushing to or looking up on a peer of another namespace refuses before a block moves
-(replicator.py). The key *secret* (the tenant salts) is not compared here yet: nodes created
-separately hold different ones, and sharing one per cluster is a separate step.
+(replicator.py).
+
+The key *secret* (the tenant salts, kvdb/keys.py) is described by ``key_secret_id`` (an HMAC of a
+constant under it: MANIFEST.json's, revealing nothing of the secret) and judged apart, by
+``key_namespace``: a follower of another secret still holds its leader's blocks bit-exact (and
+lookups by the leader's own keys, ``peers=`` and pushes, find them), but its own lookups by tokens
+compute other keys and miss every one, so a failover to it is a cold cache. One key namespace
+per cluster is the operator's: every node is given the same key secret file
+(docs/replication.md, "One key namespace per cluster"); a follower that differs says so
+(``key_namespace: "differs"`` in both nodes' status, and a warning in its log) rather than refusing
+a stream that is still a faithful copy.
 """
 
 from __future__ import annotations
@@ -39,7 +48,18 @@ def namespace_of(db) -> dict:
     ns["key_algo"] = getattr(keyspace, "algo", None) or manifest.get("key_algo") or "sha256"
     public = getattr(keyspace, "public_namespace", None)
     ns["digest"] = public.hex() if isinstance(public, bytes) else None
+    ns["key_secret_id"] = manifest.get("key_secret_id")
     return ns
+
+
+def key_namespace(ours: dict, theirs) -> str:
+    """"same" when both nodes compute the same keys for the same tokens and tenant (the same key
+    secret), "differs" when not, "unknown" when either did not say (a bare log, an older node)."""
+    a = ours.get("key_secret_id")
+    b = theirs.get("key_secret_id") if isinstance(theirs, dict) else None
+    if not a or not b:
+        return "unknown"
+    return "same" if a == b else "differs"
 
 
 def mismatch(ours: dict, theirs, *, us: str = "this node", them: str = "the peer") -> str | None:

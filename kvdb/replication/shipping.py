@@ -102,8 +102,8 @@ class LogSource(Protocol):
 
 
 class _Follower:
-    __slots__ = ("addr", "auth_failures", "blocked", "channel", "confirmed_lsn", "connects", "error", "refusals",
-                 "reseed", "reseed_asked", "reseeds", "sent_lsn", "state", "thread")
+    __slots__ = ("addr", "auth_failures", "blocked", "channel", "confirmed_lsn", "connects", "error", "key_namespace",
+                 "refusals", "reseed", "reseed_asked", "reseeds", "sent_lsn", "state", "thread")
 
     def __init__(self, addr: str, confirmed: int) -> None:
         self.addr = addr
@@ -122,6 +122,7 @@ class _Follower:
         self.blocked: tuple[str, str] | None = None
         self.auth_failures = 0  # handshakes it refused for this leader's secret
         self.refusals = 0  # streams it refused (ERROR{INVALID})
+        self.key_namespace = "unknown"  # whether it computes this leader's keys (namespace.py), as it said
 
 
 class LogShipper:
@@ -223,7 +224,7 @@ class LogShipper:
             return [{"addr": f.addr, "state": f.state, "confirmed_lsn": f.confirmed_lsn,
                      "lag_records": max(0, last - f.confirmed_lsn), "error": f.error, "connects": f.connects,
                      "reseed": dict(f.reseed) if f.reseed else None, "reseeds": f.reseeds,
-                     "auth_failures": f.auth_failures, "refusals": f.refusals}
+                     "auth_failures": f.auth_failures, "refusals": f.refusals, "key_namespace": f.key_namespace}
                     for f in self.followers]
 
     def counters(self) -> dict:
@@ -331,6 +332,7 @@ class LogShipper:
                                          "region_bytes": 2 * self.batch_bytes if engine else 0})
             pos = ch.expect(MsgType.SHIP_POSITION).meta
             applied = int(pos.get("applied_lsn", 0))
+            self._set(f, key_namespace=str(pos.get("key_namespace") or "unknown")[:16])
             region = pos.get("region") if engine else None
             if engine and not region:
                 engine = False

@@ -55,7 +55,7 @@ from kvdb.format.record import (
 from kvdb.format.swap import APPLIED_NAME
 from kvdb.fs import write_file_atomic
 from kvdb.replication.channel import Channel
-from kvdb.replication.namespace import mismatch, namespace_of
+from kvdb.replication.namespace import key_namespace, mismatch, namespace_of
 from kvdb.replication.protocol import ErrorCode, Message, MsgType
 from kvdb.replication.reseed import Staging, finish_swap
 from kvdb.replication.transport import Region
@@ -81,6 +81,9 @@ class LogSink:
         self.counters = {"records": 0, "puts": 0, "deletes": 0, "metadata": 0, "duplicates": 0, "skipped": 0,
                          "batches": 0, "reseeds": 0, "refused_streams": 0}
         self.leader: str | None = None
+        # "same" | "differs" | "unknown": whether this follower computes the leader's keys (namespace.py)
+        self.key_namespace = "unknown"
+        self._warned_keys: set[str] = set()  # leaders a "differs" warning was logged for
         self.staging: Staging | None = None  # the copy being received (reseed.py)
         self.last_reseed: dict | None = None
         self.debug_reseed_hook = None  # tests: called with the records received after each batch
@@ -128,7 +131,7 @@ class LogSink:
     def status(self) -> dict:
         st = self.staging
         return {"applied_lsn": self._applied, "leader": self.leader, "log_id": self.log_id,
-                "durable": self.durable, **self.counters,
+                "key_namespace": self.key_namespace, "durable": self.durable, **self.counters,
                 "reseed": dict(st.progress) if st is not None else None, "last_reseed": self.last_reseed}
 
     # ------------------------------------------------------------------ applying
@@ -254,6 +257,7 @@ class LogSink:
             log.warning("refused the log stream of leader %s: %s", self.leader, why)
             ch.send_error(ErrorCode.INVALID, f"{why}; nothing was applied")
             return
+        self._note_key_namespace(hello.meta.get("namespace"))
         want = int(hello.meta.get("region_bytes") or 0)
         leader_log = hello.meta.get("log_id")
         seal_check = hello.meta.get("seal_check")
@@ -267,7 +271,7 @@ class LogSink:
         with self._lock:
             if self._applied == 0 and leader_log:
                 self.log_id = str(leader_log)  # a fresh follower adopts the first leader's log
-            reply = {"applied_lsn": self._applied, "log_id": self.log_id,
+            reply = {"applied_lsn": self._applied, "log_id": self.log_id, "key_namespace": self.key_namespace,
                      "reseed": self.reopen is not None and self.swap_db is not None}
         # a follower of another log gets no records, only a re-seed if the leader is told to (S5)
         other_log = bool(self._applied and leader_log and self.log_id not in (None, leader_log))
@@ -282,6 +286,16 @@ class LogSink:
                 self._drop_staging()
             if region is not None:
                 release_region(region)
+
+    def _note_key_namespace(self, theirs) -> None:
+        """Whether this follower computes its leader's keys (namespace.py ``key_namespace``); a
+        follower that does not is warned about once per leader, not refused."""
+        self.key_namespace = key_namespace(namespace_of(self.db), theirs)
+        if self.key_namespace == "differs" and self.leader not in self._warned_keys:
+            self._warned_keys.add(self.leader)
+            log.warning("this follower has another key secret than leader %s: it holds the leader's blocks, but "
+                        "lookups by tokens here compute other keys and find none of them; give every node the "
+                        "same key secret file (docs/replication.md, 'One key namespace per cluster')", self.leader)
 
     def _refusal(self, hello: dict) -> str | None:
         """Why this follower refuses the stream SHIP_HELLO announces (S6), or None."""

@@ -92,11 +92,12 @@ class NodeProc:
     """A ``kvdb replicate serve`` subprocess (started inside the caller's namespace)."""
 
     def __init__(self, db_path, secret_file, *, port: int = 0, transport: str | None = None, disk_bytes=None,
-                 wait: bool = True, replicas=()):
+                 wait: bool = True, replicas=(), key_secret_file=None):
         if transport is None:  # never let a node start an engine where this process could not contain it
             transport = "auto" if _TE_WHY is None else "tcp"
         self.db_path, self.secret_file, self.transport, self.disk_bytes = db_path, secret_file, transport, disk_bytes
         self.replicas = list(replicas)
+        self.key_secret_file = key_secret_file  # the cluster's key secret (--key-secret-file), None: the Db's own
         self.port = port
         self.spawn()
         if wait:
@@ -116,6 +117,8 @@ class NodeProc:
             cmd += ["--disk-bytes", str(self.disk_bytes)]
         for r in self.replicas:
             cmd += ["--replica", r]
+        if self.key_secret_file is not None:
+            cmd += ["--key-secret-file", str(self.key_secret_file)]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                                      preexec_fn=die_with_parent)
 
