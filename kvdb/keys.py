@@ -259,7 +259,7 @@ class KeySpace:
         """All full blocks' keys, concatenated (16 bytes each): the allocation-free form."""
         toks = as_token_array(token_ids)
         bt = self.layout.block_tokens
-        if not isinstance(public_prefix_tokens, int) or public_prefix_tokens < 0:
+        if not isinstance(public_prefix_tokens, int) or isinstance(public_prefix_tokens, bool) or public_prefix_tokens < 0:
             raise InvalidInput(f"public_prefix_tokens must be an int >= 0, got {public_prefix_tokens!r}")
         ns = self.namespace(tenant)
         n_public = min(public_prefix_tokens // bt, toks.size // bt)

@@ -96,6 +96,9 @@ def test_unencodable_tenant_is_invalid_input(tmp_path, tenant):
     ("pp_rank", -1, r"pp_rank must be in \[0, pp_size - 1 = 1\], got -1"),
     ("pp_rank", 5, r"pp_rank must be in \[0, pp_size - 1 = 1\], got 5"),
     ("tp_size", 0, r"tp_size must be in \[1, "),
+    ("key_algo", "md5", "unknown key algorithm 'md5'"),
+    ("codec", "lz4", "codec must be one of \\['raw', 'zstd'\\], got 'lz4'"),
+    ("clock", 12.5, "clock must be a callable"),
 ], ids=lambda v: f"{v:.12}" if isinstance(v, str) else (repr(v) if abs(v) < 10**9 else "huge"))
 def test_bad_open_options_touch_nothing(tmp_path, option, value, match):
     # Scenario: a new directory opened with one bad option: InvalidInput, and no directory made.
@@ -193,6 +196,7 @@ SWEEP = [
     (lambda db: db.reserve_frames(-1), "count >= 0"),
     (lambda db: db.block_keys([1, 2, 3, 4], tenant="\ud800"), "not valid Unicode"),
     (lambda db: db.block_keys([-1, 2, 3, 4]), "outside uint32"),
+    (lambda db: db.block_keys([1, 2, 3, 4], public_prefix_tokens=True), "public_prefix_tokens must be an int"),
     (lambda db: db.engine_keys(None), "engine block hashes"),
     (lambda db: db.engine_keys([1.5]), "engine hash must be int or bytes"),
     (lambda db: db.begin_session(5), "session id must be a non-empty string"),

@@ -70,7 +70,8 @@ from kvdb.db.read import ReadMixin
 from kvdb.db.write import WriteMixin
 from kvdb.errors import CapacityError, DbFailedError, InvalidInput, KvdbError, StorageIOError
 from kvdb.format.layout import BlockLayout
-from kvdb.keys import DEFAULT_TENANT, check_ranks
+from kvdb.format.record import CODEC_NAMES
+from kvdb.keys import ALGORITHMS, DEFAULT_TENANT, check_ranks
 from kvdb.planner import Planner
 from kvdb.prompts.book import PromptBook
 from kvdb.types import DURABILITIES, BlockKey
@@ -89,12 +90,20 @@ def _close_open_dbs() -> None:
         db._close_unclosed("at interpreter exit")
 
 
-def check_early(tp_rank, tp_size, pp_rank, pp_size, device_free_fraction, session_idle_s, max_space_amp) -> None:
+def check_early(tp_rank, tp_size, pp_rank, pp_size, device_free_fraction, session_idle_s, max_space_amp,
+                key_algo="sha256", codec="raw", clock=None) -> None:
     """Options checked before the directory is touched (no mkdir, no lock, no secret written):
-    parallel ranks (kvdb/keys.py ``check_ranks``) and the fractional options -- real numbers
-    only, and an int past float's range (10**400) is InvalidInput, not an OverflowError."""
+    parallel ranks (kvdb/keys.py ``check_ranks``), the key algorithm, the codec, the clock and
+    the fractional options -- real numbers only, and an int past float's range (10**400) is
+    InvalidInput, not an OverflowError."""
     check_ranks(tp_rank, tp_size, "tp")
     check_ranks(pp_rank, pp_size, "pp")
+    if key_algo not in ALGORITHMS:
+        raise InvalidInput(f"unknown key algorithm {key_algo!r}; one of {ALGORITHMS}")
+    if not isinstance(codec, str) or codec not in CODEC_NAMES:
+        raise InvalidInput(f"codec must be one of {sorted(CODEC_NAMES)}, got {codec!r}")
+    if clock is not None and not callable(clock):
+        raise InvalidInput(f"clock must be a callable returning monotone seconds (or None), got {type(clock).__name__}")
     for name, v in (("device_free_fraction", device_free_fraction), ("session_idle_s", session_idle_s),
                     ("max_space_amp", max_space_amp)):
         if v is None and name != "device_free_fraction":
@@ -153,7 +162,8 @@ class Db(WriteMixin, ReadMixin, MovesMixin, LandingMixin, PlansMixin, AttachedMi
         self._init_attached()
         self._prompts = PromptBook()  # rendered prompts: break accounting, near matches (kvdb/prompts/book.py)
         host_bytes, device_bytes, disk_bytes = check_sizes(host_bytes, device_bytes, disk_bytes)  # "4GiB" or ints
-        check_early(tp_rank, tp_size, pp_rank, pp_size, device_free_fraction, session_idle_s, max_space_amp)
+        check_early(tp_rank, tp_size, pp_rank, pp_size, device_free_fraction, session_idle_s, max_space_amp,
+                    key_algo, codec, clock)
         # the disk tier compacts on its own past this space amplification (kvdb/cold/store.py)
         self._max_space_amp = check_options(durability, host_bytes, device_bytes, session_idle_s, max_space_amp)
         # a session idle this long is ended by the mover (kvdb/db/plans/expiry.py S1-S3)
