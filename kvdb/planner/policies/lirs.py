@@ -65,7 +65,9 @@ class LirsReplacer(ResidentReplacer):
         self.ghost_limit = int(ghost_factor * c)
         self._s: OrderedDict[int, int | _Ghost] = OrderedDict()  # token -> frame or ghost; first = bottom
         self._q: OrderedDict[int, None] = OrderedDict()  # resident HIR frames; first = next victim
-        self._ghosts: dict[Hashable, int] = {}  # ghost id -> its token in S, oldest first
+        # ghost id -> its token in S, oldest first (an OrderedDict: a plain dict's first item
+        # is found by skipping the deleted slots before it, O(n) between two resizes)
+        self._ghosts: OrderedDict[Hashable, int] = OrderedDict()
         self._tok = array("q", [-1]) * num_frames  # a frame's token in S, -1 when not in S
         self._status = bytearray(num_frames)  # _LIR or _HIR for known frames
         self._next_tok = 0
@@ -173,8 +175,7 @@ class LirsReplacer(ResidentReplacer):
         self._s[t] = _Ghost(bid)
         self._ghosts[bid] = t
         if len(self._ghosts) > self.ghost_limit:
-            oldest = next(iter(self._ghosts))
-            del self._s[self._ghosts.pop(oldest)]
+            del self._s[self._ghosts.popitem(last=False)[1]]
 
     def _forget(self, f) -> None:
         self._q.pop(f, None)
