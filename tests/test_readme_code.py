@@ -62,11 +62,12 @@ def accepted_replacers() -> set[str]:
 def test_readme_lists_every_replacer_kvdb_open_takes():
     text = re.search(r"`replacer`: (.*?) or a factory", TEXT, re.S).group(1)
     named = re.sub(r"\(.*?\)", "", text)  # the parenthesis names the replay-only ones
-    assert set(re.findall(r'`"([a-z0-9]+)"`', named)) == accepted_replacers()
+    assert set(re.findall(r'`"([a-z0-9]+)"`', named)) == accepted_replacers(), \
+        f"README.md 'API', kvdb.open's replacer: list exactly {sorted(accepted_replacers())}"
     assert set(POLICIES) - accepted_replacers() <= set(re.findall(r'`"([a-z0-9]+)"`', text))
 
 
 def test_planner_section_names_every_policy():
     section = TEXT.split("## Planner", 1)[1].split("\n## ", 1)[0]
     listed = re.search(r"\(`([a-z0-9 ]+)`\) to the engine and to the simulator", section).group(1).split()
-    assert sorted(listed) == sorted(POLICIES)
+    assert sorted(listed) == sorted(POLICIES), f"README.md 'Planner': name every policy, {list(POLICIES)}"
