@@ -91,3 +91,41 @@ def test_a_key_secret_file_is_checked(tmp_path):
         read_key_secret_file(tmp_path / "absent")
     (tmp_path / "ok").write_bytes(b"k" * 16)
     assert read_key_secret_file(tmp_path / "ok") == b"k" * 16
+
+
+def test_a_reseeded_follower_answers_token_lookups_with_the_cluster_key_secret(netns, tmp_path, secret_file, nodes):
+    # Scenario: the leader (cluster key secret) writes prompt p1 (4 blocks) one record per
+    # segment, deletes it and compacts, so its log no longer starts at lsn 1; then writes prompt
+    # p2 and ships to a new `serve` follower given the same key secret file, which is re-seeded
+    # (a copy of the live blocks, written by its own staging Db from its own MANIFEST.json). The
+    # follower's directory keeps its own store id and computes the leader's keys: p2's 4 blocks
+    # are found by tokens, p1's are gone, as on the leader.
+    import json
+
+    ks = tmp_path / "cluster.keysecret"
+    ks.write_bytes(os.urandom(32))
+    p1, p2 = list(range(64)), list(range(5000, 5064))
+    with kvdb.open(tmp_path / "leader", layout=LAYOUT, model_id="test-model", host_bytes=16 * PAGE,
+                   key_secret=ks.read_bytes()) as db:
+        db.cold_store.writer.segment_bytes = 2 * PAGE  # test: one record per segment, so compaction frees some
+        k1 = db.block_keys(p1, tenant=TENANT)
+        db.put_blocks(k1, make_blocks(4, seed=63), durability="group")
+        db.delete(k1)
+        db.cold_store.compact()
+        k2 = db.block_keys(p2, tenant=TENANT)
+        b2 = make_blocks(4, seed=64)
+        db.put_blocks(k2, b2, durability="group")
+    f = nodes(tmp_path / "f", secret_file, transport="tcp", key_secret_file=ks)
+    with _leader(tmp_path / "leader", f.address, secret_file, "tcp", key_secret=ks.read_bytes()) as db:
+        db.sync_replicas(60)
+        st = db.replication_status()["followers"][0]
+        assert st["reseeds"] == 1 and st["key_namespace"] == "same"
+    assert f.stop() == 0
+    f_id = json.loads((tmp_path / "f" / "MANIFEST.json").read_text())["store_id"]
+    assert f_id != json.loads((tmp_path / "leader" / "MANIFEST.json").read_text())["store_id"]
+    with kvdb.open(tmp_path / "f", host_bytes=16 * PAGE, key_secret=ks.read_bytes()) as fdb:
+        assert fdb.match_prefix(fdb.block_keys(p2, tenant=TENANT)) == 4
+        assert fdb.match_prefix(fdb.block_keys(p1, tenant=TENANT)) == 0
+        out = torch.empty_like(b2)
+        fdb.get_blocks(k2, out=out)
+        assert torch.equal(out, b2)
