@@ -35,7 +35,8 @@ Checkpoint (20 bytes)
      12     8  applied_lsn    u64, every record with lsn <= applied_lsn is reflected here
 
 Worked example: the PUT_BLOCK of kvdb/format/record.py's example stored at segment 1, offset
-32, with crc 0x11223344 encodes to (tests/golden/index_entry.bin):
+32 (just after a version 1 segment header), with crc 0x11223344 encodes to
+(tests/golden/index_entry.bin):
 
     01 00 00 00 | 20 00 00 00 00 00 00 00 | 39 00 00 00 | 44 33 22 11 |
     05 00 00 00 00 00 00 00 | 03 00 00 00 00 00 00 00 | 07 00 00 00 | 00 | 00 | 00 00 |
