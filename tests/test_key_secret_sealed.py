@@ -102,7 +102,9 @@ def test_a_plain_secret_of_an_encrypted_store_is_sealed_at_open(tmp_path):
                    encryption_key_file=kf, durability="group") as db:
         old_keys = db.block_keys(TOKENS, tenant=TENANT)
         db.put_blocks(old_keys, blocks_for(16))
-    assert (path2 / "KEY_SECRET").read_bytes() == plain  # key_secret= given: the file was not used
+    # key_secret= given, the same secret plain in the file: sealed as well once the key is accepted
+    assert (path2 / "KEY_SECRET").read_bytes().startswith(fsec.SEALED_MAGIC)
+    (path2 / "KEY_SECRET").write_bytes(plain)  # back to an old store's plain file
     with pytest.raises(InvalidInput, match="does not match"):
         kvdb.open(path2, host_bytes=4 * PAGE, encryption_key_file=_key_file(tmp_path, 0x22))
     assert (path2 / "KEY_SECRET").read_bytes() == plain

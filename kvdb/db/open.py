@@ -200,7 +200,9 @@ def load_secret(path: Path, key_secret: bytes | None, read_only: bool = False, s
     if key_secret is not None:
         if not isinstance(key_secret, (bytes, bytearray)) or len(key_secret) < 16:
             raise InvalidInput("key_secret must be at least 16 bytes")
-        return Secret(bytes(key_secret))
+        # the same secret lying plain in the file of an encrypted store is sealed all the same
+        plain = sealer is not None and not read_only and p.exists() and p.read_bytes() == bytes(key_secret)
+        return Secret(bytes(key_secret), seal_later=plain)
     try:
         raw = p.read_bytes()
     except FileNotFoundError:
