@@ -137,6 +137,9 @@ def test_a_log_without_its_manifest_is_refused_and_nothing_is_written(tmp_path):
         with pytest.raises(CorruptionError, match=r"MANIFEST.json is missing .* holds a log"):
             kvdb.open(a, host_bytes=2 * PAGE, **kw)
         assert _hashes(a) == before
+    code, out = _verify_exit(a)
+    assert code == 3 and "MANIFEST.json is missing" in out
+    assert _hashes(a) == before
 
 
 def test_a_missing_key_secret_names_the_file_and_writes_nothing(tmp_path):

@@ -28,6 +28,15 @@ def read_layout(path: str, with_store_id: bool = False):
     from kvdb.format.manifest import read_manifest, store_id_of
 
     m = read_manifest(path)
+    if m is None:
+        from pathlib import Path
+
+        from kvdb.db.open import holds_log
+        from kvdb.errors import CorruptionError
+
+        if holds_log(Path(path)):  # damage, not a wrong path: exit 3
+            raise CorruptionError(f"{os.path.join(path, 'MANIFEST.json')} is missing but {path} holds a log "
+                                  "(wal/, index/): restore MANIFEST.json from a backup")
     if m is None or "layout" not in m:
         raise InvalidInput(f"{path} is not a kvdb data directory (no MANIFEST.json with a layout)")
     layout = BlockLayout.from_dict(m["layout"])
