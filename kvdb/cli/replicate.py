@@ -237,12 +237,12 @@ def _render_status(s: dict, console) -> None:
                           f"({rs['bytes_received']} bytes) as of lsn {rs['snapshot_lsn']}, {rs['state']}")
     followers = s.get("followers") or []
     if followers:
-        ft = Table("follower", "confirmed_lsn", "lag_records", "state", "reseed")
+        ft = Table("follower", "confirmed_lsn", "lag_records", "state", "key_namespace", "reseed")
         for f in followers:
             rs = f.get("reseed")
             prog = f"{rs['records_sent']}/{rs['records_total']} sent, {rs['records_confirmed']} applied" if rs else ""
             ft.add_row(str(f.get("addr")), str(f.get("confirmed_lsn")), str(f.get("lag_records")), str(f.get("state")),
-                       prog)
+                       str(f.get("key_namespace", "unknown")), prog)
         console.print(ft)
 
 
