@@ -230,6 +230,8 @@ class PlansMixin(ChainsMixin, WaitsMixin, PrefixesMixin, ExpiryMixin):
         elif sid in self._pending_prefix:
             out["prefix"] = {"status": "unknown"}
         out["prompts"] = self._prompts.session(sid)  # cache breaks (kvdb/prompts), None before a noted prompt
+        # what the eviction policy has learned (the kvdb policy's guard: kvdb/planner/policies/adaptive.py)
+        out["eviction"] = [r.describe() for r in self.pool.replacers() if callable(getattr(r, "describe", None))]
         return out
 
     def _plans_stats(self) -> dict:

@@ -7,9 +7,10 @@ Modules: ``lru`` and ``arc``, and the classic baselines ``lirs``, ``lrfu``, ``s3
 ``twoq`` (``2q``) and ``wtinylfu`` (with ``sketch``, its frequency sketch) over ``resident`` (their
 base: frames, ids, pins) -- the classic policies, also built by ``make_replacer`` --
 ``ordered`` (bases over ordered dicts), ``heap`` (a base over a heap of keys), ``lfu``,
-``kvflow``, ``tokencake``, ``planned`` (``kvdb``: its frames and plans, with ``nextuse``
+``kvflow``, ``tokencake``, ``planned`` (``planner``: its frames and plans, with ``nextuse``
 estimating each agent's next call, ``gaps`` its learned residuals and ``reuse`` the value of
-unplanned blocks), ``belady``. The interface and its invariants R1-R4: kvdb/buffer_pool/replacer.py.
+unplanned blocks), ``adaptive`` (``kvdb``: the planner under a guard of miniature simulations
+that picks its ordering for unplanned blocks, or LRU, online), ``belady``. The interface and its invariants R1-R4: kvdb/buffer_pool/replacer.py.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any
 
 from kvdb.buffer_pool.replacer import Replacer
 from kvdb.errors import InvalidInput
+from kvdb.planner.policies.adaptive import AdaptiveReplacer
 from kvdb.planner.policies.arc import ArcReplacer
 from kvdb.planner.policies.belady import BeladyReplacer
 from kvdb.planner.policies.kvflow import KvflowReplacer
@@ -49,14 +51,15 @@ POLICIES: dict[str, type[Replacer]] = {
     "lfu": LfuReplacer,
     "kvflow": KvflowReplacer,
     "tokencake": TokencakeReplacer,
-    "kvdb": PlannedReplacer,
+    "kvdb": AdaptiveReplacer,  # the planner under its guard
+    "planner": PlannedReplacer,  # the planner alone (GreedyDual; unplanned="crf" for LRFU's ordering)
     "belady": BeladyReplacer,
 }
 REPLAY_ONLY = frozenset({"belady"})
 REPLACERS: dict[str, type[Replacer]] = dict(CLASSIC)  # the classic ones
 # policies sized by the cache size c (queue shares, ghost bounds): the replay passes its resident
 # capacity as ``capacity_frames``, never its pool, which has room for one call more (S4)
-CAPACITY_SIZED = frozenset({"arc", "lirs", "lrfu", "s3fifo", "2q", "wtinylfu"})
+CAPACITY_SIZED = frozenset({"arc", "lirs", "lrfu", "s3fifo", "2q", "wtinylfu", "kvdb"})
 
 
 def make_policy(name: str, num_frames: int, *, future: Sequence[Sequence[Hashable]] | None = None,
@@ -84,6 +87,7 @@ __all__ = [
     "POLICIES",
     "REPLACERS",
     "REPLAY_ONLY",
+    "AdaptiveReplacer",
     "ArcReplacer",
     "BeladyReplacer",
     "KvflowReplacer",

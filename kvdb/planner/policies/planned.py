@@ -43,6 +43,7 @@ from collections.abc import Hashable
 from typing import Any
 
 from kvdb.buffer_pool.replacer import AccessContext, Replacer
+from kvdb.errors import InvalidInput
 from kvdb.planner.events import (
     CallFinished,
     CallStarted,
@@ -50,6 +51,7 @@ from kvdb.planner.events import (
     SessionBegan,
     SessionEnded,
 )
+from kvdb.planner.policies.heap import top_live
 from kvdb.planner.policies.nextuse import (
     LLM_CALL_S,
     PLAN_SLACK_FACTOR,
@@ -63,14 +65,24 @@ ABSENT, LISTED, PINNED = 0, 1, 2
 VALUE_CAP = 64
 TC_ALPHA = 0.05  # EWMA weight of one victim's age in Tc
 REPLAN_TOLERANCE_S = 0.5
+HALF_LIFE_TICKS = 1000.0  # crf: half-life of a block's recency-frequency, in record_access calls
 
 
 class PlannedReplacer(Replacer):
     name = "kvdb"
 
-    def __init__(self, num_frames: int, llm_call_s: float = LLM_CALL_S) -> None:
+    def __init__(self, num_frames: int, llm_call_s: float = LLM_CALL_S, unplanned: str = "gd",
+                 half_life: float = HALF_LIFE_TICKS) -> None:
         super().__init__(num_frames)
+        if not half_life > 0 or half_life == math.inf:
+            raise InvalidInput(f"half_life must be a positive number of calls, got {half_life!r}")
         n = num_frames
+        self._crf = array("d", [0.0]) * n  # combined recency-frequency at the last access
+        self._hc = array("d", [0.0]) * n  # its key, lam * tick + log2(crf) (the crf ordering)
+        self._tick_of = array("q", [0]) * n  # tick of the last access
+        self._tick = 0  # record_access calls so far
+        self._lam = 1.0 / half_life
+        self._Lc = -math.inf  # the crf ordering's floor
         self._state = bytearray(n)
         self._planned = bytearray(n)
         self._leaf = bytearray(n)
@@ -104,6 +116,7 @@ class PlannedReplacer(Replacer):
         self._agent_plan: dict[tuple, float] = {}  # (session, agent) -> t_next it was planned for
         self._sess_agents: dict[str, dict[tuple, None]] = {}  # session -> its agents with a last chain
         self._next = NextUseEstimator(llm_call_s)  # when each agent calls next
+        self.set_unplanned(unplanned)
 
     def predicted_return(self, session_id: str) -> float | None:
         """When the session's next call is expected (hint-based), for prefetch; None if unknown."""
@@ -113,11 +126,26 @@ class PlannedReplacer(Replacer):
     def _push_gd(self, f: int) -> None:
         v = self._ver[f] + 1
         self._ver[f] = v
-        heapq.heappush(self._gd, (self._h[f], -self._depth[f], v, f))
+        heapq.heappush(self._gd, (self._key[f], -self._depth[f], v, f))
         if len(self._gd) > 4 * self.num_frames + 64:
-            self._gd = [(self._h[g], -self._depth[g], self._ver[g], g) for g in range(self.num_frames)
-                        if self._state[g] != ABSENT and not self._planned[g]]
-            heapq.heapify(self._gd)
+            self._rebuild_gd()
+
+    def _rebuild_gd(self) -> None:
+        key = self._key
+        self._gd = [(key[g], -self._depth[g], self._ver[g], g) for g in range(self.num_frames)
+                    if self._state[g] != ABSENT and not self._planned[g]]
+        heapq.heapify(self._gd)
+
+    def set_unplanned(self, mode: str) -> None:
+        """Order unplanned blocks by GreedyDual value (``gd``) or by decayed recency-frequency
+        (``crf``, LRFU's combined recency and frequency with this policy's half-life)."""
+        if mode not in ("gd", "crf"):
+            raise InvalidInput(f"unplanned must be 'gd' or 'crf', got {mode!r}")
+        self.unplanned = mode
+        self._use_crf = mode == "crf"
+        self._key = self._hc if self._use_crf else self._h
+        if hasattr(self, "_gd"):
+            self._rebuild_gd()
 
     def _set_plan(self, f: int, t_next: float, deadline: float, replace: bool = False) -> None:
         if not replace and self._planned[f] and self._t_next[f] >= self._now and self._deadline[f] > self._now:
@@ -194,7 +222,7 @@ class PlannedReplacer(Replacer):
             return
         if t == math.inf:  # nobody has anything left to run with it
             if not self._shared[f]:
-                self._h[f] = -math.inf
+                self._h[f] = self._hc[f] = -math.inf
             if self._planned[f]:
                 self._unplan(f)
             else:
@@ -259,6 +287,8 @@ class PlannedReplacer(Replacer):
         L = self._L
         kls = self._kls
         k1 = reuse.klass(len(frames))
+        self._tick += 1
+        tick, crf, tick_of, hc, lam = self._tick, self._crf, self._tick_of, self._hc, self._lam
         for j, f in enumerate(frames):
             bid = ids[j] if ids is not None else None
             if state[f] == ABSENT or hits[f] == 0:
@@ -267,6 +297,7 @@ class PlannedReplacer(Replacer):
                     state[f] = LISTED
                     self._count += 1
                 n = (reuse.recall(bid, now) if bid is not None else 0) + 1
+                c, t0 = reuse.recalled if n > 1 and reuse.recalled is not None else (0.0, tick)
                 self._id[f] = bid
                 self._planned[f] = 0
                 self._shared[f] = 0
@@ -274,8 +305,11 @@ class PlannedReplacer(Replacer):
             else:
                 n = hits[f] + 1
                 reuse.observe_gap(now - self._last_s[f])
+                c, t0 = crf[f], tick_of[f]
                 if kls[f] >= 0:
                     reuse.seen_again(kls[f])
+            crf[f] = c = 1.0 + c * 2.0 ** (lam * (t0 - tick))
+            tick_of[f] = tick
             hits[f] = n
             self._depth[f] = j
             self._last_s[f] = now
@@ -284,12 +318,15 @@ class PlannedReplacer(Replacer):
             if leaf:
                 kls[f] = -1
                 self._h[f] = L
-            elif n == 1:
-                kls[f] = k1
-                self._h[f] = L + reuse.first_value(k1) * prio
+                hc[f] = self._Lc
             else:
-                kls[f] = -1
-                self._h[f] = L + reuse.value(n, VALUE_CAP) * prio
+                hc[f] = lam * tick + math.log2(c * prio)
+                if n == 1:
+                    kls[f] = k1
+                    self._h[f] = L + reuse.first_value(k1) * prio
+                else:
+                    kls[f] = -1
+                    self._h[f] = L + reuse.value(n, VALUE_CAP) * prio
             self._own(f, sid)
             if plan is not None and not leaf and not self._shared[f]:
                 self._set_plan(f, plan[0], plan[1])
@@ -354,6 +391,7 @@ class PlannedReplacer(Replacer):
                     continue
                 if prio is not None:
                     self._h[f] = self._L + self._reuse.value(self._hits[f], VALUE_CAP) * (1 + prio)
+                    self._hc[f] = self._lam * self._tick_of[f] + math.log2(self._crf[f] * (1 + prio))
                 if plan is not None:
                     self._set_plan(f, plan[0], plan[1])
                 elif not self._planned[f]:
@@ -373,31 +411,11 @@ class PlannedReplacer(Replacer):
                 self._sess[f] = None
                 if self._state[f] == ABSENT or self._shared[f]:
                     continue
-                self._h[f] = -math.inf
+                self._h[f] = self._hc[f] = -math.inf
                 if self._planned[f]:
                     self._unplan(f)
                 else:
                     self._push_gd(f)
-
-    def _top(self, heap: list[tuple], ver: array, want_planned: int) -> tuple | None:
-        """Smallest live, unpinned entry (left on the heap)."""
-        stash = []
-        found = None
-        state, planned = self._state, self._planned
-        while heap:
-            e = heap[0]
-            f = e[-1]
-            if ver[f] != e[-2] or state[f] == ABSENT or planned[f] != want_planned:
-                heapq.heappop(heap)
-                continue
-            if state[f] == PINNED:
-                stash.append(heapq.heappop(heap))
-                continue
-            found = e
-            break
-        for e in stash:
-            heapq.heappush(heap, e)
-        return found
 
     def evict(self) -> int | None:
         now = self._now
@@ -406,15 +424,18 @@ class PlannedReplacer(Replacer):
             _, pv, f = heapq.heappop(exp)
             if self._pver[f] == pv and self._planned[f] and self._state[f] != ABSENT:
                 self._unplan(f)
-        g = self._top(self._gd, self._ver, 0)
-        p = self._top(self._plan, self._pver, 1)
-        if g is not None and g[0] <= self._L:
+        g = top_live(self._gd, self._ver, self._state, self._planned, 0)
+        p = top_live(self._plan, self._pver, self._state, self._planned, 1)
+        if g is not None and g[0] <= (self._Lc if self._use_crf else self._L):
             f = g[-1]  # junk (a call's last block, an ended session) or aged out: first to go
         elif p is not None and (g is None or -p[0] - now > self._tc):
             f = p[-1]
         elif g is not None:
             f = g[-1]
-            self._L = g[0]
+            if self._use_crf:
+                self._Lc = g[0]
+            else:
+                self._L = g[0]
             age = now - self._last_s[f]
             self._tc = age if self._tc == math.inf else self._tc + TC_ALPHA * (age - self._tc)
         else:
@@ -431,7 +452,7 @@ class PlannedReplacer(Replacer):
         self._planned[f] = 0
         bid = self._id[f]
         if bid is not None:
-            self._reuse.remember(bid, self._hits[f], self._last_s[f], self._kls[f])
+            self._reuse.remember(bid, self._hits[f], self._last_s[f], self._kls[f], self._crf[f], self._tick_of[f])
             self._id[f] = None
         self._hits[f] = 0
         self._kls[f] = -1
@@ -455,6 +476,7 @@ class PlannedReplacer(Replacer):
             if self._hits[frame] == 0:  # pinned before its first access: give it a key
                 self._hits[frame] = 1
                 self._h[frame] = self._L + 1
+                self._hc[frame] = self._lam * self._tick
                 self._push_gd(frame)
         elif not evictable and s == LISTED:
             self._state[frame] = PINNED

@@ -56,7 +56,8 @@ class ReuseEstimator:
 
     def __init__(self, num_frames: int, history_mult: int = HISTORY_MULT) -> None:
         self.capacity = max(1, min(HISTORY_MAX, history_mult * num_frames))
-        self._hist: OrderedDict[Hashable, tuple[int, float, int]] = OrderedDict()  # id -> (accesses, last access s, class)
+        self._hist: OrderedDict[Hashable, tuple] = OrderedDict()  # id -> (accesses, last s, class, crf, tick)
+        self.recalled: tuple[float, int] | None = None  # (crf, tick) of the last recall that found its id
         self._won = [0.0] * LEN_CLASSES  # first-seen blocks of each class seen again
         self._lost = [0.0] * LEN_CLASSES  # ... and forgotten without a second access
         self._mult = [1.0] * LEN_CLASSES
@@ -69,7 +70,9 @@ class ReuseEstimator:
         """Accesses of ``bid`` before this one (0 if unknown); forgets it (it is resident now)."""
         got = self._hist.pop(bid, None)
         if got is None:
+            self.recalled = None
             return 0
+        self.recalled = (got[3], got[4])
         self.observe_gap(now - got[1])
         if got[2] >= 0:
             self._won[got[2]] += 1.0
@@ -88,12 +91,14 @@ class ReuseEstimator:
         """Value of a block on its first access: P(seen again | class) / P(seen again)."""
         return self._mult[klass]
 
-    def remember(self, bid: Hashable, accesses: int, last_s: float, klass: int = -1) -> None:
+    def remember(self, bid: Hashable, accesses: int, last_s: float, klass: int = -1,
+                 crf: float = 0.0, tick: int = 0) -> None:
         """``bid`` left the tier after ``accesses`` accesses, the last at ``last_s``; ``klass``
-        is its first-access class while it has been accessed only once, else -1."""
+        is its first-access class while it has been accessed only once, else -1; ``crf`` and
+        ``tick``: its combined recency-frequency at its last access and that access's tick."""
         h = self._hist
         h.pop(bid, None)
-        h[bid] = (accesses, last_s, klass)
+        h[bid] = (accesses, last_s, klass, crf, tick)
         if len(h) > self.capacity:  # OrderedDict: a plain dict's next(iter()) slows as its head empties
             k = h.popitem(last=False)[1][2]
             if k >= 0:
@@ -110,15 +115,8 @@ class ReuseEstimator:
     def update(self, tc: float) -> None:
         """Re-estimate the median reuse gap and alpha against the cache's characteristic time."""
         self._observed = 0
-        gaps = self._gaps
-        total = sum(gaps)
-        acc = 0.0
-        for i, c in enumerate(gaps):
-            acc += c
-            if acc >= total / 2:
-                self.median_gap_s = 2.0 ** ((i - 0.5) / BINS_PER_OCTAVE) if i else 0.5  # bin middle
-                break
-        self._gaps = [c * 0.5 for c in gaps]
+        self.median_gap_s = _median(self._gaps, self.median_gap_s)
+        self._gaps = [c * 0.5 for c in self._gaps]
         won, lost = self._won, self._lost
         tw, tl = sum(won), sum(lost)
         if tw + tl > 0:
@@ -138,3 +136,16 @@ class ReuseEstimator:
 
     def __len__(self) -> int:
         return len(self._hist)
+
+
+def _median(bins: list[float], old: float | None) -> float | None:
+    """The median of a quarter-octave histogram (bin middle); ``old`` when it is empty."""
+    total = sum(bins)
+    if total <= 0:
+        return old
+    acc = 0.0
+    for i, c in enumerate(bins):
+        acc += c
+        if acc >= total / 2:
+            return 2.0 ** ((i - 0.5) / BINS_PER_OCTAVE) if i else 0.5
+    return old

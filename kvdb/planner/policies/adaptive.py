@@ -1,0 +1,243 @@
+"""``kvdb``: the planner's policy under a guard that learns, online, which ordering pays.
+
+The planner (kvdb.planner.policies.planned) is one way to order a tier; a workload it was not
+built for (plans that do not come true, a trace where decayed frequency beats GreedyDual) can
+make it worse than LRU. This module keeps it honest with *miniature simulations*: a few small
+caches, each fed a fixed random-looking sample of the blocks (spatial sampling: a block is in
+the sample when a stable 32-bit hash of its id falls under ``rate * 2**32``, so every access of
+a sampled block is seen and none of the others), each run by one candidate ordering at
+``rate`` times the real cache's capacity. Their hit counts estimate how each ordering would do
+on the whole workload; the real tier follows the best one.
+
+Candidates (``CANDIDATES``):
+  ``gd``   the planner with GreedyDual values for unplanned blocks (the default: it starts here);
+  ``crf``  the planner with decayed recency-frequency (LRFU's ordering) for unplanned blocks;
+  ``lru``  plain LRU -- the guard: when the samples say LRU does better, the tier evicts in
+           LRU order, so a workload on which the planner's ideas are wrong costs about nothing
+           compared with LRU.
+
+The real tier keeps one planner and one LRU list over the same frames (both see every access,
+pin and removal); ``evict`` asks the one the current mode names and tells the other. Switching
+between ``gd`` and ``crf`` re-keys the planner's heap (``PlannedReplacer.set_unplanned``).
+
+Decisions: every ``EPOCH`` sampled block accesses, each candidate's score (sampled hits,
+halved every epoch: a memory of a few epochs) is compared; the tier moves to the best one when
+it beats the current mode's by ``SWITCH_MARGIN`` of the current score plus one hit. A mini
+cache counts hits as the replay does (kvdb/sim/replay.py S1), on the sample: the leading run of
+a call's sampled blocks that it holds.
+
+Capacity: the policy is never told the tier's capacity (kvdb/sim/replay.py S4). It learns it
+from its own evictions: the number of resident frames after the last eviction of a burst.
+Until the first eviction the minis do not evict.
+
+Causal and deterministic: the minis see only what the real policy sees, in the same order; the
+sample is a function of block ids only. Costs per access: the planner, an LRU update, and
+``rate`` x (the three candidates) -- ``rate`` is 1/8 by default.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Hashable, Sequence
+from typing import Any
+
+from kvdb.buffer_pool.replacer import AccessContext, Replacer
+from kvdb.planner.policies.lru import LruReplacer
+from kvdb.planner.policies.planned import PlannedReplacer
+
+CANDIDATES = ("gd", "crf", "lru")
+SAMPLE_RATE = 1.0 / 8
+MIN_MINI_BLOCKS = 64  # a small tier samples more, so that each mini cache holds at least this many
+EPOCH = 256  # sampled block accesses between decisions
+DECAY = 0.9  # each score's weight after a decision: a memory of ~10 epochs
+SWITCH_MARGIN = 0.02
+_MIX = 0x9E3779B97F4A7C15
+_M64 = (1 << 64) - 1
+
+
+def sample_hash(bid: Hashable) -> int:
+    """A stable 32-bit hash of a block id (Python's ``hash`` of str/bytes changes per process)."""
+    if type(bid) is int:
+        return ((bid * _MIX) & _M64) >> 32
+    if isinstance(bid, (bytes, bytearray)):
+        return zlib.crc32(bid)
+    return zlib.crc32(repr(bid).encode())
+
+
+class _Mini:
+    """One candidate's miniature cache: its own frames, table of sampled ids and hit count."""
+
+    def __init__(self, repl: Replacer) -> None:
+        self.repl = repl
+        n = repl.num_frames
+        self.table: dict[Hashable, int] = {}
+        self.owner: list[Hashable] = [None] * n
+        self.free = list(range(n - 1, -1, -1))
+        self.score = 0.0
+        self.hits = 0
+        self.accesses = 0
+
+    def _evict_one(self) -> bool:
+        f = self.repl.evict()
+        if f is None:
+            return False
+        del self.table[self.owner[f]]
+        self.owner[f] = None
+        self.free.append(f)
+        return True
+
+    def access(self, ids: list, ctx: AccessContext | None, cap: int | None) -> None:
+        table = self.table
+        while sum(1 for b in ids if b not in table) > len(self.free):
+            if not self._evict_one():
+                return
+        frames = []
+        hit = 0
+        run = True  # hits count as the replay counts them: the leading run of the call's (sampled) blocks
+        for b in ids:
+            f = table.get(b)
+            if f is None:
+                f = self.free.pop()
+                table[b] = f
+                self.owner[f] = b
+                run = False
+            elif run:
+                hit += 1
+            frames.append(f)
+        self.repl.record_access(frames, ids, ctx)
+        if cap is not None:
+            while len(table) > cap and self._evict_one():
+                pass
+        self.score += hit
+        self.hits += hit
+        self.accesses += len(ids)
+
+
+class AdaptiveReplacer(Replacer):
+    name = "kvdb"
+
+    def __init__(self, num_frames: int, llm_call_s: float | None = None, sample_rate: float = SAMPLE_RATE,
+                 candidates: Sequence[str] = CANDIDATES, capacity_frames: int | None = None) -> None:
+        super().__init__(num_frames)
+        opts = {} if llm_call_s is None else {"llm_call_s": llm_call_s}
+        self.planner = PlannedReplacer(num_frames, **opts)
+        self._lru = LruReplacer(num_frames)
+        self.mode = "gd"
+        # sized by the cache (the replay passes its resident capacity: a pool sized by the
+        # trace's longest call would be a peek at the future, kvdb/sim/replay.py S4)
+        c = max(1, capacity_frames if capacity_frames is not None else num_frames)
+        self.rate = min(1.0, max(0.0, sample_rate, MIN_MINI_BLOCKS / c))
+        self._threshold = int(self.rate * (1 << 32))
+        mini_n = int(c * self.rate) * 2 + 16
+        self._minis: dict[str, _Mini] = {}
+        for c in candidates:
+            if c == "lru":
+                r: Replacer = LruReplacer(mini_n)
+            else:
+                r = PlannedReplacer(mini_n, unplanned=c, **opts)
+            self._minis[c] = _Mini(r)
+        self._known = bytearray(num_frames)  # 0 unknown, 1 known and not sampled, 2 known and sampled
+        self._resident = 0
+        self._cap: int | None = None  # learned capacity of the tier (resident frames after evictions)
+        self._evicted_since_access = False
+        self._since = 0
+        self.switches = 0
+
+    # -- the interface ------------------------------------------------------------------
+    def record_access(self, frames, ids=None, ctx: AccessContext | None = None) -> None:
+        if self._evicted_since_access:
+            self._cap = self._resident
+            self._evicted_since_access = False
+        self.planner.record_access(frames, ids, ctx)
+        self._lru.record_access(frames, ids, ctx)
+        known = self._known
+        sampled = None
+        for j, f in enumerate(frames):
+            k = known[f]
+            if k == 0:
+                self._resident += 1
+                k = known[f] = 2 if ids is not None and sample_hash(ids[j]) < self._threshold else 1
+            if k == 2:
+                if sampled is None:
+                    sampled = []
+                sampled.append(ids[j])
+        if sampled is not None and self._minis:
+            cap = None if self._cap is None else max(1, int(self._cap * self.rate))
+            for m in self._minis.values():
+                m.access(sampled, ctx, cap)
+            self._since += len(sampled)
+            if self._since >= EPOCH:
+                self._decide()
+
+    def _decide(self) -> None:
+        self._since = 0
+        minis = self._minis
+        cur = minis[self.mode].score if self.mode in minis else 0.0
+        best = max(minis, key=lambda c: (minis[c].score, c == self.mode))
+        if best != self.mode and minis[best].score > cur * (1 + SWITCH_MARGIN) + 1:
+            self._switch(best)
+        for m in minis.values():
+            m.score *= DECAY
+
+    def _switch(self, mode: str) -> None:
+        self.mode = mode
+        self.switches += 1
+        if mode != "lru":
+            self.planner.set_unplanned(mode)
+
+    def on_event(self, event: Any) -> None:
+        self.planner.on_event(event)
+        for m in self._minis.values():
+            m.repl.on_event(event)
+
+    def evict(self) -> int | None:
+        if self.mode == "lru":
+            f = self._lru.evict()
+            if f is not None:
+                self.planner.remove(f)
+        else:
+            f = self.planner.evict()
+            if f is not None:
+                self._lru.remove(f)
+        if f is not None:
+            self._forget(f)
+            self._evicted_since_access = True
+        return f
+
+    def _forget(self, f: int) -> None:
+        if self._known[f]:
+            self._known[f] = 0
+            self._resident -= 1
+
+    def set_evictable(self, frame: int, evictable: bool) -> None:
+        self.planner.set_evictable(frame, evictable)
+        self._lru.set_evictable(frame, evictable)
+
+    def remove(self, frame: int) -> None:
+        self.planner.remove(frame)
+        self._lru.remove(frame)
+        self._forget(frame)
+
+    def num_evictable(self) -> int:
+        return self.planner.num_evictable()
+
+    # -- what it learned ------------------------------------------------------------------
+    def describe(self) -> dict[str, Any]:
+        """The guard's state for EXPLAIN: the ordering in force and each candidate's sampled hit ratio."""
+        return {
+            "mode": self.mode,
+            "switches": self.switches,
+            "sample_rate": self.rate,
+            "learned_capacity_blocks": self._cap,
+            "candidates": {c: {"sampled_accesses": m.accesses,
+                               "sampled_hit_ratio": m.hits / m.accesses if m.accesses else None}
+                           for c, m in self._minis.items()},
+        }
+
+    def predicted_return(self, session_id: str) -> float | None:
+        return self.planner.predicted_return(session_id)
+
+    def __getattr__(self, name: str) -> Any:  # debug_* and other read-only views of the planner
+        if name.startswith("debug_"):
+            return getattr(self.planner, name)
+        raise AttributeError(name)
