@@ -342,12 +342,14 @@ class Db(WriteMixin, ReadMixin, MovesMixin, LandingMixin, PlansMixin, AttachedMi
         self._check()
         return self._prompts.note(self, rendered, session_id, tenant, block_keys)
 
-    def near_match(self, rendered, *, tenant: str = DEFAULT_TENANT):
-        """For a rendered prompt: its exact prefix and, per segment past it, where that segment
-        is stored after another context (shift, blocks, context): a ``NearMatch`` report for an
-        engine that splices KV. Never a hit: lookups count nothing, nothing is returned as KV."""
+    def near_match(self, rendered, *, tenant: str = DEFAULT_TENANT, block_keys=None):
+        """For a rendered prompt: its exact prefix (over ``block_keys``, default its block keys;
+        an engine that keys blocks by its own hashes passes ``engine_keys``) and, per segment past
+        it, where that segment is stored after another context (shift, blocks, context): a
+        ``NearMatch`` report for an engine that splices KV. Never a hit: lookups count nothing,
+        nothing is returned as KV."""
         self._check()
-        return self._prompts.near_match(self, rendered, tenant)
+        return self._prompts.near_match(self, rendered, tenant, block_keys)
 
     # ------------------------------------------------------------------ the tensors it takes
 

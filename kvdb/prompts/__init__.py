@@ -4,7 +4,7 @@ matches (docs/prompts.md).
 Modules: ``render`` (parts -> token ids and segments; canonical JSON, tool order, the default
 template), ``breaks`` (per-session cache-break accounting, pure objects), ``near`` (where a
 missed prompt's segments are stored: reports, never hits), ``book`` (what a Db keeps: both of
-the above behind one lock).
+the above behind one lock), ``wire`` (segments as JSON for an engine in another process).
 """
 
 from kvdb.prompts.book import PromptBook
@@ -20,6 +20,8 @@ from kvdb.prompts.render import (
     canonical_text,
     render,
 )
+from kvdb.prompts.wire import from_params, transfer_params
 
 __all__ = ["BreakBook", "CallBreaks", "DEFAULT_TEMPLATE", "KINDS", "NearMatch", "PromptBook", "PromptSession",
-           "Rendered", "Segment", "SegmentIndex", "SegmentMatch", "SessionBreaks", "Template", "canonical_text", "render"]
+           "Rendered", "Segment", "SegmentIndex", "SegmentMatch", "SessionBreaks", "Template", "canonical_text", "from_params",
+           "render", "transfer_params"]

@@ -46,14 +46,15 @@ class PromptBook:
             self._index.add(r, blocks, db.layout.block_tokens)
             return None if session_id is None else self._breaks.observe(session_id, r)
 
-    def near_match(self, db, rendered, tenant: str) -> NearMatch:
+    def near_match(self, db, rendered, tenant: str, block_keys=None) -> NearMatch:
         r = self._keyed(db, rendered, tenant)
+        blocks = None if block_keys is None else normalize_keys(block_keys)
 
         def places_of(keys):
             with self._lock:
                 return {k: self._index.places(k) for k in keys}
 
-        res = near_match(db, r, places_of, tenant=tenant)
+        res = near_match(db, r, places_of, tenant=tenant, block_keys=blocks)
         with self._lock:
             self._near_calls += 1
             self._near_tokens += res.near_tokens

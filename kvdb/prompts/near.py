@@ -155,11 +155,12 @@ def _common(a: Sequence, b: Sequence) -> int:
     return n
 
 
-def near_match(db, rendered, places_of, *, tenant: str) -> NearMatch:
+def near_match(db, rendered, places_of, *, tenant: str, block_keys=None) -> NearMatch:
     """The near-match report of ``rendered`` (keyed for ``tenant``) over ``db``'s public API;
-    ``places_of(keys)`` gives each segment key's stored places (a snapshot of the index)."""
+    ``places_of(keys)`` gives each segment key's stored places (a snapshot of the index);
+    ``block_keys``: the keys its blocks are stored under (default ``db.block_keys`` of its tokens)."""
     bt = db.layout.block_tokens
-    blocks = db.block_keys(rendered.array, tenant)
+    blocks = db.block_keys(rendered.array, tenant) if block_keys is None else block_keys
     n = db.match_prefix(blocks, peek=True)
     exact_tokens = n * bt
     seg_keys = [s.key for s in rendered.segments]

@@ -11,6 +11,7 @@ holds its process for good.
     (here)   stored blocks == transformers' K (after RoPE) and V; one byte of P2's block 5 flipped
     restart  -> a new process: P 1920 from disk; P2's hit ends at block 5, same tokens, healed
     mp       -> vLLM's default multi-process mode: the same hits through the worker's socket
+    prompts  -> rendered prompts: tools reordered, canonical render -> a hit and no break; raw -> a break
 """
 
 from __future__ import annotations
@@ -156,3 +157,24 @@ def test_default_multiprocess_mode_gets_the_same_hits(model_dir, tmp_path, runs)
     assert cold["cached"] == 0
     assert warm["cached"] == 1920 and warm["kvdb"]["hit_tokens"] == 1920
     assert warm["tokens"] == cold["tokens"] == runs["first"]["p"][0]["tokens"]
+
+
+def test_rendered_prompts_share_the_prefix_when_canonical_and_break_when_raw(model_dir, tmp_path):
+    # Scenario: an agent's second call gets its four tools back in reverse order and asks a new
+    # question; the system prompt and tools are ~2.3 kB (one token per byte), the question ~30.
+    got = drive("prompts", model_dir, tmp_path / "db")
+    (c1, c2), (r1, r2) = got["canon"], got["raw"]
+    assert c1["kvdb"]["hit_tokens"] == 0 and c1["kvdb"]["prompt"]["status"] == "noted"
+    shared = c2["tool_end"] // BT * BT  # every full block before the question
+    assert shared >= 8 * BT
+    assert c2["kvdb"]["hit_tokens"] == c2["cached"] == shared
+    assert c2["kvdb"]["prompt"] | {"status": "noted", "broke": False, "lost": 0} == c2["kvdb"]["prompt"]
+    assert c2["kvdb"]["prompt"]["shared"] == c2["tool_end"] == c2["kvdb"]["prompt"]["could"]
+    # raw: the reordered tools change the tokens right after the system prompt
+    assert r2["kvdb"]["hit_tokens"] < 2 * BT
+    assert r2["kvdb"]["prompt"]["broke"] is True and r2["kvdb"]["prompt"]["lost"] >= 6 * BT
+    assert r2["kvdb"]["prompt"]["near_segments"] >= 3  # the tools are stored, after another context
+    stats = got["stats"]
+    assert (stats["calls"], stats["breaks"], stats["tokens_lost"]) == (4, 1, r2["kvdb"]["prompt"]["lost"])
+    assert got["explain"]["canon"]["breaks"] == 0 and got["explain"]["raw"]["breaks"] == 1
+    assert got["connector"]["noted_prompts"] == 4 and got["connector"]["ignored_prompts"] == 0

@@ -197,3 +197,93 @@ def test_a_client_with_no_worker_misses_instead_of_failing(tmp_path):
     client = ServiceClient(str(tmp_path / "nobody"), timeout_s=0.5)
     assert client.call({"op": "lookup", "req": "r", "tenant": "t", "hashes": [], "params": None}) is None
     assert client.failures == 1
+
+
+TOOLS = [{"name": f"tool_{i}", "description": f"does thing {i} " * 4, "parameters": {"type": "object"}} for i in range(3)]
+
+
+def byte_encode(text: str) -> list[int]:
+    return [3 + b for b in text.encode()]
+
+
+def rendered_call(client, db, req: str, tools, *, canonical: bool, sid: str = "s"):
+    """One request's lookup and end over the socket, with its rendered prompt in the params; the
+    block hashes stand in for vLLM's (the service treats them as opaque)."""
+    from kvdb.prompts import render, transfer_params
+
+    r = render({"system": "you are an agent", "tools": tools, "messages": [{"role": "user", "content": "go"}]},
+               encode=byte_encode, canonical=canonical)
+    full = len(r.token_ids) // BT
+    hashes = [bytes.fromhex(kvdb_digest(r.token_ids[: (i + 1) * BT])) for i in range(full)]
+    got = client.call({"op": "lookup", "req": req, "tenant": "acme", "hashes": [h.hex() for h in hashes],
+                       "params": {"session_id": sid, "prompt": transfer_params(r)}, "tokens": r.token_ids})
+    new = db.engine_keys(hashes[got["hit_blocks"]:], tenant="acme")
+    if new:  # what the worker saves once vLLM computed them
+        db.put_blocks(new, torch.zeros(len(new), *LAYOUT.block_shape))
+    done = client.call({"op": "finished", "req": req, "hashes": [h.hex() for h in hashes]})
+    return r, got, done
+
+
+def kvdb_digest(ids) -> str:
+    import hashlib
+
+    return hashlib.sha256(str(ids).encode()).hexdigest()
+
+
+@pytest.mark.parametrize("canonical", [True, False])
+def test_rendered_prompt_segments_in_params_are_noted(served, canonical):
+    # Scenario: one session, two calls whose tool lists differ only in order; the segments travel
+    # in kv_transfer_params["prompt"], the tokens with the first lookup.
+    client = ServiceClient(served.path, timeout_s=5.0)
+    first, got, done = rendered_call(client, served.db, "r1", TOOLS, canonical=canonical)
+    assert got["hints"] == [] and got["prompt"]["status"] == "accepted"
+    assert got["prompt"]["segments"] == len(first.segments) == 6
+    assert done["prompt"] == {"status": "noted", "tokens": len(first.token_ids), "shared": 0, "could": 0,
+                              "lost": 0, "broke": False}
+    second, got, done = rendered_call(client, served.db, "r2", TOOLS[::-1], canonical=canonical)
+    prompts = served.db.stats()["prompts"]
+    assert prompts["calls"] == 2 and served.counters.noted_prompts == 2
+    if canonical:
+        assert second.token_ids == first.token_ids
+        assert done["prompt"]["broke"] is False and done["prompt"]["shared"] == len(first.token_ids)
+        assert prompts["breaks"] == prompts["tokens_lost"] == 0
+    else:  # the tools moved: shared only the system prompt, could have shared all but the message
+        assert done["prompt"]["broke"] is True and done["prompt"]["lost"] > 0
+        assert (prompts["breaks"], prompts["tokens_lost"]) == (1, done["prompt"]["lost"])
+        assert got["prompt"]["near_segments"] >= 3  # the tools are stored, after another context
+    assert served.db.explain(session_id="s")["prompts"]["calls"] == 2
+    client.close()
+
+
+def test_bad_prompt_params_are_ignored_with_a_counted_reason(served):
+    from kvdb.prompts import render, transfer_params
+
+    r = render({"system": "sys", "tools": TOOLS}, encode=byte_encode)
+    good = transfer_params(r)
+    seg0 = good["segments"][0]
+    cases = [
+        ("not_an_object", "segments please", r.token_ids),
+        ("no_tokens", good, None),
+        ("bad_segments", {"segments": []}, r.token_ids),
+        ("bad_segment", {"segments": [seg0[:4]] + good["segments"][1:]}, r.token_ids),
+        ("bad_segment", {"segments": [["tool_call", *seg0[1:]]] + good["segments"][1:]}, r.token_ids),
+        ("bad_segment", {"segments": [[*seg0[:3], "zz" * 16, ""]] + good["segments"][1:]}, r.token_ids),
+        ("not_tiling", {"segments": good["segments"][1:]}, r.token_ids),
+        ("not_tiling", good, r.token_ids[:-1]),
+        ("no_tokens", good, [-1] * len(r.token_ids)),
+    ]
+    for i, (reason, params, tokens) in enumerate(cases):
+        got = served.lookup(f"bad{i}", "acme", [], {"session_id": "s", "prompt": params}, tokens)
+        assert got["hit_blocks"] == 0 and got["hints"] == []  # the request goes on
+        assert (got["prompt"]["status"], got["prompt"]["reason"]) == ("ignored", reason), (i, got)
+        assert "prompt" not in served.finished(f"bad{i}")  # nothing to note
+    c = served.counters.as_dict()
+    assert c["ignored_prompts"] == len(cases) and c["noted_prompts"] == 0
+    assert c["prompt_ignored_reasons"] == {"not_an_object": 1, "no_tokens": 2, "bad_segments": 1, "bad_segment": 3,
+                                           "not_tiling": 2}
+    assert served.db.stats()["prompts"]["calls"] == 0
+    # a good one is accepted; a later lookup of the same request (a preemption) does not read it again
+    assert served.lookup("ok", "acme", [], {"prompt": good}, r.token_ids)["prompt"]["status"] == "accepted"
+    assert "prompt" not in served.lookup("ok", "acme", [], {"prompt": good}, None)
+    assert served.finished("ok")["prompt"]["status"] == "noted"  # no session: indexed, no break accounting
+    assert served.db.stats()["prompts"]["indexed_prompts"] == 1

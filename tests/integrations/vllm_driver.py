@@ -10,6 +10,9 @@ of its process's life, so each scenario is a fresh interpreter. Scenarios:
              the blocks it loaded into the paged cache with the Db's, bit for bit
     restart  one process on the path ``first`` used: P2 then P, each on a fresh engine cache
     mp       vLLM's default: EngineCore and Worker in their own processes; P twice, reset between
+    prompts  one process, a fresh path: an agent's two calls whose tool lists differ only in order,
+             rendered by kvdb.prompts canonically (session "canon") and raw (session "raw"), the
+             segments in kv_transfer_params["prompt"]
 """
 
 from __future__ import annotations
@@ -110,11 +113,47 @@ def mp(model: str, path: str) -> dict:
     return {"p": [run(llm, P), run(llm, P)]}
 
 
+TOOLS = [{"name": f"tool_{i}", "description": f"looks up record kind {i} in the inventory and returns it. " * 4,
+          "parameters": {"type": "object", "properties": {"id": {"type": "integer"}, "note": {"type": "string"}},
+                         "required": ["id"]}} for i in range(4)]
+
+
+def byte_encode(text: str) -> list[int]:
+    return [3 + b for b in text.encode()]  # ids 3..258, inside the tiny Llama's vocabulary
+
+
+def agent_call(tools, question: str, *, canonical: bool):
+    from kvdb.prompts import render
+
+    return render({"system": "You are a careful inventory agent. Use the tools. " * 3, "tools": tools,
+                   "messages": [{"role": "user", "content": question}]}, encode=byte_encode, canonical=canonical)
+
+
+def prompts(model: str, path: str) -> dict:
+    from kvdb.integrations.vllm.service import local_service
+    from kvdb.prompts import transfer_params
+
+    llm = make_llm(model, path, single=True)
+    res = {}
+    for mode in ("canon", "raw"):
+        calls = []
+        for tools, q in ((TOOLS, "How many units of record 7 are left?"), (TOOLS[::-1], "And of record 9?")):
+            r = agent_call(tools, q, canonical=mode == "canon")
+            out = run(llm, r.token_ids, params={"session_id": mode, "prompt": transfer_params(r)})
+            calls.append(dict(out, prompt_tokens=len(r.token_ids), tool_end=r.segments[-3].end))
+        res[mode] = calls
+    svc = local_service(path)
+    res["stats"] = svc.db.stats()["prompts"]
+    res["explain"] = {m: svc.db.explain(session_id=m)["prompts"] for m in ("canon", "raw")}
+    res["connector"] = svc.stats()["connector"]
+    return res
+
+
 if __name__ == "__main__":
     scenario, model, path, out = sys.argv[1:5]
     if scenario != "mp":
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    result = {"first": first, "restart": restart, "mp": mp}[scenario](model, path)
+    result = {"first": first, "restart": restart, "mp": mp, "prompts": prompts}[scenario](model, path)
     with open(out, "w") as f:
         json.dump(result, f, default=str)
     if scenario != "mp":  # the Db is in this process: close it now, as vLLM's shutdown would

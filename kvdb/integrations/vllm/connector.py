@@ -95,6 +95,7 @@ class _ReqState:
     local_blocks: int = 0  # blocks vLLM's own prefix cache had when kvdb was asked
     hint_outcomes: list = field(default_factory=list)
     hit_blocks: int = 0
+    prompt: dict | None = None  # what became of kv_transfer_params["prompt"] (kvdb/integrations/vllm/service.py)
 
 
 def _tenant(request) -> str | None:
@@ -140,19 +141,26 @@ class KvdbConnector(KVConnectorBase_V1):
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
         st = self._reqs.get(request.request_id)
-        if st is None:
+        first = st is None
+        if first:
             st = self._reqs[request.request_id] = _ReqState(request, _tenant(request))
         if st.tenant is None:
             return 0, False
         bt = self.block_size
         usable = min(len(request.block_hashes), (request.num_tokens - 1) // bt)  # I1
-        resp = self._call({"op": "lookup", "req": request.request_id, "tenant": st.tenant,
-                           "hashes": list(request.block_hashes[:usable]),
-                           "params": getattr(request, "kv_transfer_params", None)})
+        params = getattr(request, "kv_transfer_params", None)
+        msg = {"op": "lookup", "req": request.request_id, "tenant": st.tenant,
+               "hashes": list(request.block_hashes[:usable]), "params": params}
+        if first and isinstance(params, dict) and "prompt" in params:  # a rendered prompt: its tokens go along once
+            ids = getattr(request, "prompt_token_ids", None)
+            msg["tokens"] = list(ids) if ids is not None else None
+        resp = self._call(msg)
         if resp is None:
             return 0, False
         if resp.get("hints"):
             st.hint_outcomes = resp["hints"]
+        if resp.get("prompt"):
+            st.prompt = resp["prompt"]
         n = int(resp["hit_blocks"])
         st.hit_blocks = n
         st.saved = max(st.saved, n)
@@ -217,11 +225,18 @@ class KvdbConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         st = self._reqs.pop(request.request_id, None)
-        resp = self._call({"op": "finished", "req": request.request_id}) or {}
+        msg = {"op": "finished", "req": request.request_id}
+        if st is not None and st.prompt is not None and st.prompt.get("status") == "accepted":
+            n = len(getattr(request, "prompt_token_ids", None) or ()) // self.block_size
+            msg["hashes"] = list(request.block_hashes[:n])  # the prompt's full blocks, noted under these
+        resp = self._call(msg) or {}
         outcomes = (st.hint_outcomes if st is not None else []) + list(resp.get("hints") or [])
         if st is None:
             return False, None
-        return False, {"kvdb": {"hit_tokens": st.hit_blocks * self.block_size, "hints": outcomes}}
+        answer = {"hit_tokens": st.hit_blocks * self.block_size, "hints": outcomes}
+        if st.prompt is not None:
+            answer["prompt"] = {**st.prompt, **(resp.get("prompt") or {})}
+        return False, {"kvdb": answer}
 
     # ================================================================ worker half
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):

@@ -13,8 +13,9 @@ so the **worker owns the Db** and the scheduler asks it:
         the data directory's real path; the scheduler connects to it
 
 Wire format (both directions): a 4-byte big-endian length, then a UTF-8 JSON object. Requests:
-``{"op": "lookup", "req": id, "tenant": str, "hashes": [hex, ...], "params": {...} | null}`` ->
-``{"hit_blocks": n, "hints": [...]}``; ``{"op": "finished", "req": id}`` -> ``{"hints": [...]}``;
+``{"op": "lookup", "req": id, "tenant": str, "hashes": [hex, ...], "params": {...} | null,
+"tokens": [int, ...]}`` -> ``{"hit_blocks": n, "hints": [...], "prompt": {...}}``;
+``{"op": "finished", "req": id, "hashes": [hex, ...]}`` -> ``{"hints": [...], "prompt": {...}}``;
 ``{"op": "explain", "session_id": sid}``; ``{"op": "stats"}``. Errors come back as
 ``{"error": "..."}``. Frames over ``MAX_FRAME`` bytes close the connection.
 
@@ -29,6 +30,15 @@ its ``call_started`` (later lookups of the same request, e.g. after a preemption
 ``AccessContext`` is kept for the request's saves; ``finished`` is its ``call_finished``. Every
 hint comes back accepted / clipped / rejected with a reason; a malformed one never fails a
 request.
+
+Rendered prompts: ``kv_transfer_params["prompt"]`` may carry the segments of a prompt rendered by
+``kvdb.prompts.render`` (``kvdb.prompts.transfer_params``; the format is kvdb/prompts/wire.py's),
+with the request's ``tokens`` sent on its first lookup. The lookup checks them against the
+tokens and answers a near-match report (``Db.near_match`` over the request's engine keys); the
+end of the request notes the prompt (``Db.note_prompt`` under the engine keys of its full blocks,
+in the session's break accounting when it has a ``session_id``): ``stats()["prompts"]`` and
+``explain``. Bad segments are ignored with a counted reason (``prompt_ignored_reasons``), never
+an error.
 """
 
 from __future__ import annotations
@@ -44,6 +54,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvdb.errors import KvdbError
+from kvdb.prompts.wire import from_params
 
 log = logging.getLogger("kvdb.vllm")
 
@@ -55,6 +66,8 @@ CALL_KEYS = ("session_id", "agent_id", "node_id")
 FINISH_HINTS = ("expected_tool_duration_s",)
 # keys vLLM itself and its disaggregated-prefill connectors put in kv_transfer_params
 FOREIGN_PREFIXES = ("do_remote_", "remote_", "kvdb")
+# the rendered prompt's segments (kvdb/prompts/wire.py), not a hint
+PROMPT_KEY = "prompt"
 
 _registry: dict[str, "KvdbService"] = {}
 _registry_lock = threading.Lock()
@@ -85,9 +98,14 @@ class Counters:
     failed_saves: int = 0
     rejected_hints: int = 0
     refused_requests: int = 0
+    noted_prompts: int = 0
+    ignored_prompts: int = 0
+    prompt_ignored_reasons: dict = field(default_factory=dict)  # reason (kvdb/prompts/wire.py REASONS) -> count
 
-    def as_dict(self) -> dict[str, int]:
-        return dict(self.__dict__)
+    def as_dict(self) -> dict:
+        d = dict(self.__dict__)
+        d["prompt_ignored_reasons"] = dict(self.prompt_ignored_reasons)
+        return d
 
 
 @dataclass
@@ -97,6 +115,8 @@ class _Call:
     node_id: str | None
     ctx: Any
     finish_hints: dict = field(default_factory=dict)
+    tenant: str = ""
+    prompt: Any = None  # the request's Rendered prompt, noted when it finishes
 
 
 def _outcome(name: str, status: str, reason: str) -> dict:
@@ -139,14 +159,17 @@ class KvdbService:
             call = self._calls.get(req_id)
         return None if call is None else call.ctx
 
-    def lookup(self, req_id: str, tenant: str, hashes: list[bytes], params: dict | None) -> dict:
+    def lookup(self, req_id: str, tenant: str, hashes: list[bytes], params: dict | None,
+               tokens: list[int] | None = None) -> dict:
         """Leading blocks of ``hashes`` stored in any tier; the first lookup of ``req_id`` also
-        starts its session call."""
+        starts its session call and reads its rendered prompt (``tokens``: the prompt's ids)."""
         outcomes: list[dict] = []
         with self._lock:
             known = req_id in self._calls
+        call = None
         if not known:
             call, outcomes = self._call_started(tenant, params)
+            call.tenant = tenant
             with self._lock:
                 self._calls[req_id] = call
         ctx = self.ctx(req_id)
@@ -157,7 +180,44 @@ class KvdbService:
         c.lookup_blocks += len(keys)
         c.hit_blocks += n
         c.rejected_hints += sum(o.get("status") == "rejected" for o in outcomes)
-        return {"hit_blocks": n, "hints": outcomes}
+        out = {"hit_blocks": n, "hints": outcomes}
+        if call is not None and isinstance(params, dict) and PROMPT_KEY in params:
+            out["prompt"] = self._read_prompt(call, params[PROMPT_KEY], tokens, keys)
+        return out
+
+    def _ignore_prompt(self, reason: str, detail: str) -> dict:
+        c = self.counters
+        c.ignored_prompts += 1
+        c.prompt_ignored_reasons[reason] = c.prompt_ignored_reasons.get(reason, 0) + 1
+        return {"status": "ignored", "reason": reason, "detail": detail}
+
+    def _read_prompt(self, call: _Call, params: Any, tokens, keys: list[bytes]) -> dict:
+        """The prompt's segments checked against its tokens, kept on ``call``; a near-match report."""
+        if tokens is not None and not isinstance(tokens, list):
+            tokens = None
+        rendered, reason, detail = from_params(tokens, params)
+        if rendered is None:
+            return self._ignore_prompt(reason, detail)
+        try:
+            call.prompt = rendered.keyed(self.db.keyspace, call.tenant)
+            near = self.db.near_match(call.prompt, tenant=call.tenant, block_keys=keys)
+        except (KvdbError, TypeError, ValueError, OverflowError) as e:
+            call.prompt = None
+            return self._ignore_prompt("refused", f"{type(e).__name__}: {e}")
+        return {"status": "accepted", "segments": len(rendered.segments), "exact_tokens": near.exact_tokens,
+                "near_tokens": near.near_tokens,
+                "near_segments": sum(s.status == "near" for s in near.segments)}
+
+    def _note_prompt(self, call: _Call, hashes) -> dict:
+        bt = self.db.layout.block_tokens
+        full = len(call.prompt.token_ids) // bt
+        try:
+            keys = self.keys(call.tenant, list(hashes or ())[:full])
+            got = self.db.note_prompt(call.prompt, session_id=call.session_id, tenant=call.tenant, block_keys=keys)
+        except (KvdbError, TypeError, ValueError, OverflowError) as e:
+            return self._ignore_prompt("refused", f"{type(e).__name__}: {e}")
+        self.counters.noted_prompts += 1
+        return {"status": "noted", **(got.as_dict() if got is not None else {})}
 
     def _call_started(self, tenant: str, params: dict | None) -> tuple[_Call, list[dict]]:
         if params is None:
@@ -175,7 +235,7 @@ class KvdbService:
                 outcomes.append(_outcome(name, "rejected", "must be a non-empty string of at most 256 characters"))
         start, finish = {}, {}
         for name, v in params.items():
-            if name in CALL_KEYS or not isinstance(name, str) or name.startswith(FOREIGN_PREFIXES):
+            if name in CALL_KEYS or name == PROMPT_KEY or not isinstance(name, str) or name.startswith(FOREIGN_PREFIXES):
                 continue
             (finish if name in FINISH_HINTS else start)[name] = v
         sid = ids.get("session_id")
@@ -192,11 +252,16 @@ class KvdbService:
             return _Call(None, None, None, None), outcomes
         return _Call(sid, ids.get("agent_id"), ids.get("node_id"), ctx, finish), outcomes
 
-    def finished(self, req_id: str) -> dict:
+    def finished(self, req_id: str, hashes=None) -> dict:
+        """The end of ``req_id``: its session's ``call_finished``; its rendered prompt is noted
+        under the engine keys of ``hashes`` (its full prompt blocks)."""
         with self._lock:
             call = self._calls.pop(req_id, None)
-        if call is None or call.session_id is None:
+        if call is None:
             return {"hints": []}
+        prompt = {} if call.prompt is None else {"prompt": self._note_prompt(call, hashes)}
+        if call.session_id is None:
+            return {"hints": [], **prompt}
         try:
             got = self.db.call_finished(call.session_id, agent_id=call.agent_id, node_id=call.node_id,
                                         hints=call.finish_hints or None)
@@ -204,7 +269,7 @@ class KvdbService:
         except (KvdbError, TypeError, ValueError, OverflowError) as e:
             outcomes = [_outcome("expected_tool_duration_s", "rejected", f"{type(e).__name__}: {e}")]
         self.counters.rejected_hints += sum(o.get("status") == "rejected" for o in outcomes)
-        return {"hints": outcomes}
+        return {"hints": outcomes, **prompt}
 
     def explain(self, session_id: str) -> dict:
         return self.db.explain(session_id=session_id)
@@ -219,9 +284,10 @@ class KvdbService:
         op = msg.get("op")
         try:
             if op == "lookup":
-                return self.lookup(str(msg["req"]), str(msg["tenant"]), list(msg["hashes"]), msg.get("params"))
+                return self.lookup(str(msg["req"]), str(msg["tenant"]), list(msg["hashes"]), msg.get("params"),
+                                   msg.get("tokens"))
             if op == "finished":
-                return self.finished(str(msg["req"]))
+                return self.finished(str(msg["req"]), msg.get("hashes"))
             if op == "explain":
                 return self.explain(str(msg["session_id"]))
             if op == "stats":
