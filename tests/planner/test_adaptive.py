@@ -55,7 +55,10 @@ def test_guard_follows_lru_where_the_planner_loses(seed, cap):
     tr = _frequency_trap(seed)
     lru, planner, kvdb = _hit(tr, "lru", cap), _hit(tr, "planner", cap), _hit(tr, "kvdb", cap)
     assert planner < lru - 0.05  # the trap works: alone, the planner falls far below LRU
-    assert kvdb >= lru - 0.01  # the guard brings it back (the hot phase costs a little)
+    # the guard brings it back; what it keeps losing is the time it takes to be sure (about one
+    # decision window after the phase change), a share that shrinks as the trace grows
+    assert kvdb >= lru - 0.02
+    assert kvdb - planner >= 0.7 * (lru - planner)
 
 
 def test_guard_switches_to_lru_and_says_why():

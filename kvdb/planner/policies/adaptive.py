@@ -21,8 +21,10 @@ pin and removal); ``evict`` asks the one the current mode names and tells the ot
 between ``gd`` and ``crf`` re-keys the planner's heap (``PlannedReplacer.set_unplanned``).
 
 Decisions: every ``EPOCH`` sampled block accesses, each candidate's score (sampled hits,
-halved every epoch: a memory of a few epochs) is compared; the tier moves to the best one when
-it beats the current mode's by ``SWITCH_MARGIN`` of the current score plus one hit. A mini
+times DECAY after each decision: a memory of about ten epochs) is compared; the tier moves to the best one when
+it beats the current mode's by ``SWITCH_MARGIN`` of the current score plus ``SWITCH_Z``
+standard deviations of the difference (hit counts taken as Poisson: ``sqrt(a + b)``), so that
+sampling noise alone does not move it. A mini
 cache counts hits as the replay does (kvdb/sim/replay.py S1), on the sample: the leading run of
 a call's sampled blocks that it holds.
 
@@ -37,6 +39,7 @@ sample is a function of block ids only. Costs per access: the planner, an LRU up
 
 from __future__ import annotations
 
+import math
 import zlib
 from collections.abc import Hashable, Sequence
 from typing import Any
@@ -51,6 +54,7 @@ MIN_MINI_BLOCKS = 64  # a small tier samples more, so that each mini cache holds
 EPOCH = 256  # sampled block accesses between decisions
 DECAY = 0.9  # each score's weight after a decision: a memory of ~10 epochs
 SWITCH_MARGIN = 0.02
+SWITCH_Z = 1.0  # ... and by this many standard deviations of the difference (hit counts as Poisson)
 _MIX = 0x9E3779B97F4A7C15
 _M64 = (1 << 64) - 1
 
@@ -174,7 +178,8 @@ class AdaptiveReplacer(Replacer):
         minis = self._minis
         cur = minis[self.mode].score if self.mode in minis else 0.0
         best = max(minis, key=lambda c: (minis[c].score, c == self.mode))
-        if best != self.mode and minis[best].score > cur * (1 + SWITCH_MARGIN) + 1:
+        diff = minis[best].score - cur
+        if best != self.mode and diff > SWITCH_MARGIN * cur + SWITCH_Z * math.sqrt(minis[best].score + cur):
             self._switch(best)
         for m in minis.values():
             m.score *= DECAY
