@@ -43,6 +43,7 @@ import torch
 
 import kvdb
 from kvdb.demo.model import VOCAB, prefill, tiny_llama
+from kvdb.demo.tools import HeadRenderer, tools_for
 from kvdb.errors import InvalidInput
 
 MARKER = ".kvdb-demo"
@@ -66,6 +67,7 @@ class DemoConfig:
     host_pages: int = 64  # a 4 MiB host tier (the workflow's KV is ~2.5x both together)
     disk_bytes: int = 256 << 20
     offload_after_s: float = 5.0
+    tool_change_round: int = 2  # worker1 loads one more tool from this round on (0: never; kvdb/demo/tools.py)
     threads: int | None = 1  # torch intra-op threads; None: torch's choice (see run_demo)
 
 
@@ -113,25 +115,32 @@ LlmFn = Callable[[str, str, list, float, dict], tuple]  # (node, agent, prompt, 
 ToolFn = Callable[[str, str, float, float], None]  # (node, agent, duration_s, now_s)
 
 
-def drive(cfg: DemoConfig, llm: LlmFn, tool: ToolFn, before_call: Callable | None = None) -> dict[str, float]:
+def drive(cfg: DemoConfig, llm: LlmFn, tool: ToolFn, before_call: Callable | None = None,
+          on_prompt: Callable | None = None) -> dict[str, float]:
     """Run the workflow in dependency order on a virtual clock; returns each node's end time.
 
     ``llm`` gets each call's full prompt and returns its output tokens and duration. Workers of
     one round start together; their follow-up calls run in the order their tools finish.
     ``before_call(node, agent, previous_prompt, now_s)`` runs when a tool wait ends, before the
-    agent's next call (the moment the tool returns).
+    agent's next call (the moment the tool returns). A prompt is the head (system prompt and the
+    tools the agent loaded for this call, rendered canonically: kvdb/demo/tools.py) then the
+    agent's turns; ``on_prompt(node, agent, tools, head, turns)`` runs after each call.
     """
     seed = cfg.seed
-    shared = _segment("system", cfg.system_tokens, seed) + _segment("tool-schemas", cfg.schema_tokens, seed)
+    heads = HeadRenderer(cfg)
     agents = ["planner", "reviewer"] + [f"worker{w}" for w in range(1, cfg.workers + 1)]
-    history = {a: shared + _segment(f"role:{a}", cfg.role_tokens, seed) for a in agents}
+    history = {a: [_segment(f"role:{a}", cfg.role_tokens, seed)] for a in agents}  # turns after the head
     waits = tool_durations(cfg)
     end: dict[str, float] = {}
 
     def call(node: str, agent: str, new_input: list[int], now: float, hints: dict) -> list[int]:
-        prompt = history[agent] + new_input
-        out, dur = llm(node, agent, prompt, now, hints)
-        history[agent] = prompt + list(out)
+        tools = tools_for(cfg, node, agent, int(re.search(r"\d+", node).group()))
+        head = heads.head(tools)
+        turns = history[agent] + [new_input]
+        out, dur = llm(node, agent, head.token_ids + [t for turn in turns for t in turn], now, hints)
+        if on_prompt is not None:
+            on_prompt(node, agent, tools, head, turns)
+        history[agent] = turns + [list(out)]
         end[node] = now + dur
         return list(out)
 
@@ -273,7 +282,8 @@ def _run(cfg: DemoConfig, say, live: bool, t_start: float) -> dict:
         f"tiers: device {cfg.device_pages} pages, host {cfg.host_pages} pages, disk; data in {data_dir}")
     # every agent's prompt starts with the system prompt and tool schemas: name that prefix by
     # the key of its last block, so the Db keeps it (and never offloads it with one agent's history)
-    shared_tokens = _segment("system", cfg.system_tokens, cfg.seed) + _segment("tool-schemas", cfg.schema_tokens, cfg.seed)
+    heads = HeadRenderer(cfg)
+    shared_tokens = heads.head(tools_for(cfg, "plan1", "planner", 1)).token_ids
     prefix_keys = db.block_keys(shared_tokens, tenant="demo")
     prefix = {"prefix_hash": prefix_keys[-1].hex()} if prefix_keys else {}
     for agent in ["planner", "reviewer"] + [f"worker{w}" for w in range(1, cfg.workers + 1)]:
@@ -343,14 +353,24 @@ def _run(cfg: DemoConfig, say, live: bool, t_start: float) -> dict:
         advance(now)
         db.run_plans()
 
+    def on_prompt(node, agent, tools, head, turns):
+        # the prompt as sent (canonical head) counts in the Db's break accounting; the same
+        # prompt with the tools rendered raw, in the order they arrived, on the side
+        db.note_prompt(heads.prompt(head, turns), session_id=agent, tenant="demo")
+        heads.observe_raw(db, agent, tools, turns)
+
     try:
-        drive(cfg, llm, tool, before_call)
+        drive(cfg, llm, tool, before_call, on_prompt)
         stats = db.stats()
     finally:
         if bar is not None:
             bar.close()
         db.close()
     res = _summarize(cfg, ctr, stats, plan, data_dir)
+    keep = ("calls", "breaks", "tokens", "shared_tokens", "tokens_lost")
+    res["cache_breaks"] = {"tool_orders": len(heads.orders), "tool_change_round": cfg.tool_change_round,
+                           "canonical": {k: stats["prompts"][k] for k in keep},
+                           "raw": {k: heads.raw.stats()[k] for k in keep}}
     from kvdb.demo.chart import write_chart
 
     chart = Path(cfg.chart_path) if cfg.chart_path is not None else data_dir / "ttft.png"
@@ -466,4 +486,10 @@ def render(res: dict, console) -> None:
         tiers.add_row(name, str(tt.get("pages", "")), str(tt.get("capacity_pages", "")), str(tt.get("evictions", "")),
                       str(tt.get("demotions", "")), str(tt.get("promotions", "")))
     console.print(tiers)
+    cb = res["cache_breaks"]
+    canon, raw = cb["canonical"], cb["raw"]
+    change = f", worker1 gained a tool in round {cb['tool_change_round']}" if cb["tool_change_round"] else ""
+    console.print(f"cache breaks (tools loaded per call, {cb['tool_orders']} orders seen{change}): canonical render "
+                  f"{canon['breaks']} breaks, {canon['tokens_lost']} tokens lost; a raw render would have broken "
+                  f"{raw['breaks']} of {raw['calls']} calls, losing {raw['tokens_lost']} tokens")
     console.print(f"chart: {res.get('chart')}   data: {res['data_dir']}   wall {res['wall_s']} s")

@@ -61,6 +61,23 @@ def test_demo_run_reuses_prefixes_and_agrees_with_full_prefill(tmp_path):
     assert res["chart"] == str(tmp_path / "demo" / "ttft.png")
 
 
+def test_demo_tools_arrive_reordered_and_canonical_rendering_never_breaks(tmp_path):
+    # Scenario: 2 rounds, 1 worker (8 calls); every call's tools come back in a shuffled order,
+    # and worker1 loads a fifth tool (16 more head tokens, sorted last) from round 2 on
+    res = run_demo(small(tmp_path, rounds=2, workers=1))
+    cb = res["cache_breaks"]
+    assert cb["tool_orders"] > 1 and cb["tool_change_round"] == 2
+    assert cb["canonical"]["calls"] == cb["raw"]["calls"] == res["llm_calls"] == 8
+    assert (cb["canonical"]["breaks"], cb["canonical"]["tokens_lost"]) == (0, 0)
+    assert cb["raw"]["breaks"] > 0 and cb["raw"]["tokens_lost"] > cb["raw"]["breaks"] * 64
+    calls = {c["node"]: c for c in res["calls"]}
+    # the added tool ends the head: worker1 keeps the shared 320 head tokens, then recomputes
+    assert calls["work2.1"]["prompt_tokens"] > calls["fix1.1"]["prompt_tokens"] + 16
+    assert calls["work2.1"]["cached_tokens"] == 320
+    assert calls["plan2"]["cached_tokens"] > 320  # the planner's tool set did not change: its history is reused
+    assert res["first_tokens_identical"] == 8
+
+
 def test_demo_tiers_under_tight_capacity(tmp_path):
     # 6 device + 6 host pages for ~60 distinct blocks: blocks go down to disk and come back
     res = run_demo(small(tmp_path, device_pages=6, host_pages=6))
@@ -108,4 +125,4 @@ def test_cli_bench_ttft_json(tmp_path):
     for k in ("full_prefill_s", "suffix_prefill_s", "restore_host_s", "restore_disk_s"):
         assert res[k] > 0
     r = CliRunner().invoke(cli, ["bench", "ttft", "--stored-fraction", "1.5"])
-    assert r.exit_code == 1 and "stored_fraction" in r.output
+    assert r.exit_code == 2 and "--stored-fraction" in r.output  # a usage error, caught while parsing (docs/style.md "CLI")
