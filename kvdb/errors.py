@@ -13,7 +13,8 @@ exceptions. Messages say what was wrong and what to do about it.
     ├── NotFound             an unknown key, session or path (also a KeyError)
     ├── DbLockedError        the path is open in another process or Db
     ├── ReplicationError     a peer or stream failed
-    └── AuthError            a peer failed authentication
+    ├── AuthError            a peer failed authentication
+    └── NamespaceError       a peer or follower holds another namespace (model, layout, key secret, ...)
 """
 
 from __future__ import annotations
@@ -60,3 +61,9 @@ class ReplicationError(KvdbError):
 
 class AuthError(ReplicationError):
     """A peer failed authentication (no or wrong shared secret)."""
+
+
+class NamespaceError(ReplicationError):
+    """A peer or follower holds blocks of another namespace (model, revision, layout, dtype, key
+    algorithm, rank or key secret: kvdb/replication/namespace.py); nothing was sent, fetched or
+    applied."""

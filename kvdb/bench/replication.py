@@ -4,7 +4,9 @@ Transfer Engine's own batch write measured in the same run, to the same peer pro
 Set-up: two ``kvdb replicate serve`` peer processes (one memory-only, one with a disk tier, in a
 temporary directory) and this process, all inside a private network namespace
 (kvdb/replication/netns.py)
-because the engine listens on 0.0.0.0. Figures (GB/s = 1e9 bytes/s, median of ``repeats``
+because the engine listens on 0.0.0.0. Like any cluster, every node is given the same key secret
+file (docs/replication.md, "One key namespace per cluster"): the disk peer refuses the log of a
+leader of another key secret. Figures (GB/s = 1e9 bytes/s, median of ``repeats``
 rounds after two warm-up rounds; the engine and push rounds are interleaved so that load from
 other processes hits both alike):
 
@@ -47,6 +49,7 @@ from kvdb.replication.transport import transport_kind
 # Llama-3-8B-like: 32 layers x 2 x 16 tokens x 8 kv heads x 128 dims x bf16 = 2 MiB
 BENCH_LAYOUT = BlockLayout(num_layers=32, num_kv_heads=8, head_dim=128, block_tokens=16, dtype=torch.bfloat16)
 _SECRET = os.urandom(32).hex().encode()
+_KEY_SECRET = os.urandom(32)  # the cluster's key secret: the leader's kvdb.open(key_secret=), the peers' file
 
 
 def _gbps(nbytes: int, seconds: list[float]) -> float:
@@ -57,6 +60,7 @@ def _spawn_peer(tmp: str, name: str, secret_file: str, host_pages: int, disk: bo
                 transport: str) -> subprocess.Popen:
     cmd = [sys.executable, "-c", "from kvdb.cli.main import cli; cli()", "replicate", "serve",
            "--db", os.path.join(tmp, name), "--listen", "127.0.0.1:0", "--secret-file", secret_file,
+           "--key-secret-file", os.path.join(tmp, "keysecret"),
            "--transport", transport, "--json", "--layout", json.dumps(BENCH_LAYOUT.to_dict()),
            "--model-id", "bench", "--host-bytes", str(host_pages * BENCH_LAYOUT.page_bytes)]
     if not disk:
@@ -130,6 +134,8 @@ def _run(num_blocks: int, repeats: int, kind: str, chunk_bytes: int, window: int
         secret_file = os.path.join(tmp, "secret")
         with open(secret_file, "wb") as f:
             f.write(_SECRET)
+        with open(os.path.join(tmp, "keysecret"), "wb") as f:
+            f.write(_KEY_SECRET)
         # two peers: a memory-only one for the engine and the plain pushes, one with a disk
         # tier for durable pushes and shipping; host tiers of 2n pages so that, after the
         # warm-up, every round reuses arena frames that are already faulted in
@@ -183,7 +189,8 @@ def _run(num_blocks: int, repeats: int, kind: str, chunk_bytes: int, window: int
             # running, then starts one and times until the follower confirmed them durable
             t = []
             path = os.path.join(tmp, "leader")
-            with kvdb.open(path, layout=BENCH_LAYOUT, model_id="bench", host_bytes=(num_blocks + 2) * page) as db:
+            with kvdb.open(path, layout=BENCH_LAYOUT, model_id="bench", host_bytes=(num_blocks + 2) * page,
+                           key_secret=_KEY_SECRET) as db:
                 for _ in range(repeats):
                     db.put_blocks(fresh_keys(), blocks, durability="group")
                     t0 = time.perf_counter()

@@ -76,6 +76,9 @@ def _positive_seconds(v: float) -> float:
 @click.option("--key-secret-file", default=None, type=click.Path(dir_okay=False),
               help="the cluster's key secret (at least 16 bytes, e.g. head -c 32 /dev/urandom): give every node "
                    "the same file so a follower computes its leader's keys (default: the Db's own KEY_SECRET)")
+@click.option("--allow-foreign-keys", is_flag=True, default=False,
+              help="as a follower, also take the log of a leader of another key secret (a raw byte mirror, "
+                   "looked up only by its leader's keys); default: refuse it, naming both fingerprints")
 @click.option("--layout", "layout_json", default=None, help="layout JSON for a new data directory")
 @click.option("--model-id", default=None, help="model id for a new data directory")
 @click.option("--replica", "replicas", multiple=True, help="HOST:PORT of a follower to ship this node's log to")
@@ -91,11 +94,13 @@ def _positive_seconds(v: float) -> float:
                    "at http://HOST:PORT/metrics, HOST the --listen host (0 picks a free port); default: none")
 @json_option
 def serve_cmd(db_path, listen, secret_file, transport, node, host_bytes, disk_bytes, encryption_key_file,
-              key_secret_file, layout_json, model_id, replicas, max_connections, max_handshakes, handshake_timeout_s,
-              metrics_port, as_json) -> None:
+              key_secret_file, allow_foreign_keys, layout_json, model_id, replicas, max_connections, max_handshakes,
+              handshake_timeout_s, metrics_port, as_json) -> None:
     """Own the Db at --db and serve pushes, lookups and log streams until SIGTERM / SIGINT;
     with --replica, also ship this node's log to those followers. A follower behind its
-    leader's log is re-seeded from a copy (not a node that is itself a leader). Unauthenticated
+    leader's log is re-seeded from a copy (not a node that is itself a leader). A follower
+    refuses a leader of another namespace, key secret included: give every node the same
+    --key-secret-file (or --allow-foreign-keys for a raw byte mirror). Unauthenticated
     peers are bounded by the connection caps, the handshake deadline and a 64 KiB read cap."""
     import kvdb
     from kvdb.replication.channel import load_secret
@@ -124,7 +129,7 @@ def serve_cmd(db_path, listen, secret_file, transport, node, host_bytes, disk_by
     done = threading.Event()
     server = None
     try:
-        sink = LogSink.for_db(db, reopen=None if replicas else reopen)
+        sink = LogSink.for_db(db, reopen=None if replicas else reopen, allow_foreign_keys=allow_foreign_keys)
         server = NodeServer(db, listen, secret, node=node, transport=transport, sink=sink,
                             max_connections=max_connections, max_handshakes=max_handshakes,
                             handshake_timeout_s=handshake_timeout_s)
@@ -244,6 +249,9 @@ def _render_status(s: dict, console) -> None:
             ft.add_row(str(f.get("addr")), str(f.get("confirmed_lsn")), str(f.get("lag_records")), str(f.get("state")),
                        str(f.get("key_namespace", "unknown")), prog)
         console.print(ft)
+        for f in followers:  # why a follower refused this leader (or why its stream dropped), in full
+            if f.get("error"):
+                console.print(f"follower {f.get('addr')} ({f.get('state')}): {f.get('error')}", soft_wrap=True)
 
 
 @click.command("replication")

@@ -9,19 +9,22 @@ every key chain starts from, for tenants before their salt). ``mismatch(ours, th
 the fields that differ, or None.
 
 A leader sends its namespace in SHIP_HELLO and a follower of another namespace refuses the
-stream with ERROR{INVALID} naming the fields (sink.py); a node sends its own in WELCOME, so a Db
+stream with ERROR{NAMESPACE} naming the fields (sink.py); a node sends its own in WELCOME, so a Db
 pushing to or looking up on a peer of another namespace refuses before a block moves
 (replicator.py).
 
-The key *secret* (the tenant salts, kvdb/keys.py) is described by ``key_secret_id`` (an HMAC of a
-constant under it: MANIFEST.json's, revealing nothing of the secret) and judged apart, by
-``key_namespace``: a follower of another secret still holds its leader's blocks bit-exact (and
-lookups by the leader's own keys, ``peers=`` and pushes, find them), but its own lookups by tokens
-compute other keys and miss every one, so a failover to it is a cold cache. One key namespace
-per cluster is the operator's: every node is given the same key secret file
-(docs/replication.md, "One key namespace per cluster"); a follower that differs says so
-(``key_namespace: "differs"`` in both nodes' status, and a warning in its log) rather than refusing
-a stream that is still a faithful copy.
+The key *secret* (the tenant salts, kvdb/keys.py) is described by ``key_secret_id``, a keyed
+fingerprint (an HMAC of a constant under the secret: MANIFEST.json's, kvdb/db/open.py): two nodes
+compare fingerprints, never the secret, which no message carries. ``key_namespace`` says "same",
+"differs" or "unknown". A follower of another secret would hold its leader's blocks bit-exact,
+but its own lookups by tokens compute other keys and miss every one (a failover to it is a cold
+cache), so it refuses the stream too (``key_refusal``: ERROR{NAMESPACE} before any record, like
+a model or layout mismatch). One key namespace per cluster is the operator's: every node is given
+the same key secret file (docs/replication.md, "One key namespace per cluster"). The one use of
+a follower of another secret, a raw byte mirror looked up only by its leader's keys (``peers=``,
+pushes), is an explicit opt-in (``LogSink(allow_foreign_keys=True)``, ``kvdb replicate serve
+--allow-foreign-keys``); it is reported ``differs`` in both nodes' status and warned about once.
+A node that sends no fingerprint (a bare log directory) is "unknown" and not judged.
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ from pathlib import Path
 
 from kvdb.errors import KvdbError
 from kvdb.format.manifest import read_manifest
+
+
 
 #: compared in this order; each is named in a refusal
 FIELDS = ("model_id", "model_revision", "layout", "key_algo", "tp_rank", "tp_size", "pp_rank", "pp_size")
@@ -60,6 +65,20 @@ def key_namespace(ours: dict, theirs) -> str:
     if not a or not b:
         return "unknown"
     return "same" if a == b else "differs"
+
+
+def key_refusal(ours: dict, theirs, *, us: str = "this follower", them: str = "the leader") -> str | None:
+    """Why a follower (``ours``) refuses the records of a leader (``theirs``) of another key secret,
+    or None (the same secret, or either did not say). Names the two fingerprints' first 8 hex
+    digits (MANIFEST.json's ``key_secret_id``), never the secret."""
+    if key_namespace(ours, theirs) != "differs":
+        return None
+    a, b = str(ours["key_secret_id"])[:8], str(theirs["key_secret_id"])[:8]
+    return (f"{them} holds another namespace than {us}: another key secret (key_secret_id {b}... vs {a}..., {them} "
+            f"vs {us}); {us} would hold its blocks under keys its own lookups by tokens never compute; give every "
+            f"node the same key secret file "
+            f"(kvdb replicate serve --key-secret-file, kvdb.open(key_secret=); docs/replication.md, 'One key "
+            f"namespace per cluster'), or start {us} with --allow-foreign-keys for a raw byte mirror")
 
 
 def mismatch(ours: dict, theirs, *, us: str = "this node", them: str = "the peer") -> str | None:

@@ -106,6 +106,7 @@ class ErrorCode(enum.IntEnum):
     INTERNAL = 5  # the server failed while serving the request (the message says why)
     INVALID = 6  # the request was well formed but not acceptable (wrong layout, too large)
     BUSY = 7  # sent before the handshake: the node is at its connection cap; try again later
+    NAMESPACE = 8  # a follower refused a leader of another namespace, key secret included (namespace.py)
 
 
 class FrameError(ReplicationError):

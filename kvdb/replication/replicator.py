@@ -19,7 +19,9 @@ again; ``push`` and ``sync_replicas`` raise ``AuthError``, a lookup (``fetch_mis
 as a miss. Connections a peer refused at its cap (``rejected_connections``), handshakes past the
 deadline (``handshake_timeouts``), oversize or malformed handshake frames (``oversize_frames``,
 ``malformed_frames``) and peers of another namespace (``namespace_refusals``: no block is pushed
-to or fetched from them) are counted the same way.
+to or fetched from them; followers that refused this leader's namespace, key secret included,
+are added there, and ``sync_replicas`` raises ``NamespaceError`` naming them) are counted the
+same way.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import socket
 import threading
 
 from kvdb.cold.export import key_check
-from kvdb.errors import AuthError, InvalidInput, KvdbError, ReplicationError
+from kvdb.errors import AuthError, InvalidInput, KvdbError, NamespaceError, ReplicationError
 from kvdb.replication.channel import HandshakeTimeout, RemoteError, load_secret
 from kvdb.replication.namespace import mismatch, namespace_of
 from kvdb.replication.peer import Peer, PushResult
@@ -43,10 +45,6 @@ log = logging.getLogger("kvdb.replication")
 
 COUNTERS = ("auth_failures", "rejected_connections", "handshake_timeouts", "oversize_frames", "malformed_frames",
             "namespace_refusals")
-
-
-class NamespaceError(ReplicationError):
-    """The peer holds blocks of another namespace (namespace.py); nothing was sent or fetched."""
 
 
 def _counter_of(e: BaseException) -> str | None:
@@ -214,6 +212,7 @@ class Replicator:
         ship = self.shipper.counters() if self.shipper is not None else {}
         out["auth_failures"] += ship.get("auth_failures", 0)
         out["refused_streams"] = ship.get("refused_streams", 0)
+        out["namespace_refusals"] += ship.get("namespace_refusals", 0)  # followers of another namespace
         return out
 
     def status(self) -> dict:

@@ -21,12 +21,13 @@ Leader follower-thread states::
         |   └--behind the log, or reseed() asked--> reseeding --copy swapped in--> streaming
         ^                                                                      |
         └----------------------------- backoff (0.1 s .. 1 s) -----------------┘
-    AuthError -> auth_failed; the follower refused the stream (ERROR{INVALID}: another
-    namespace -- model, revision, layout, dtype, key algorithm, rank --, no key for an encrypted
-    log, not a follower) -> refused. Both are retried with the longest backoff and keep their
-    state and reason until a stream starts; ``sync`` raises at once while a follower it waits
-    for is in either (AuthError for auth_failed), with the follower's own reason, instead of
-    running into its timeout. Each is logged once per follower and reason.
+    AuthError -> auth_failed; the follower refused the stream (ERROR{NAMESPACE}: another
+    namespace -- model, revision, layout, dtype, key algorithm, rank, key secret --; ERROR{INVALID}:
+    no key for an encrypted log, not a follower) -> refused. Both are retried with the longest
+    backoff and keep their state and reason until a stream starts; ``sync`` raises at once while
+    a follower it waits for is in either (AuthError for auth_failed, NamespaceError for another
+    namespace), with the follower's own reason, instead of running into its timeout. Each is
+    logged once per follower and reason.
     another leader's log, or ahead of this log (and no reseed() asked), or behind the log but
     not re-seedable (memory-only) -> needs_reseed (stops retrying until reseed()).
 
@@ -45,7 +46,9 @@ Invariants:
       travels in SHIP_HELLO and is stored with the follower's position; a follower of another
       log is never streamed to.
   S6. A follower applies nothing of a leader of another namespace (namespace.py): the leader's
-      namespace travels in SHIP_HELLO and the follower refuses the stream before SHIP_POSITION.
+      namespace travels in SHIP_HELLO and the follower refuses the stream before SHIP_POSITION
+      (the key secret as its fingerprint, ``key_secret_id``: a follower of another key secret
+      refuses unless it was made a raw byte mirror, ``allow_foreign_keys``).
 """
 
 from __future__ import annotations
@@ -62,9 +65,11 @@ from kvdb.errors import (
     AuthError,
     InvalidInput,
     KvdbError,
+    NamespaceError,
     ReplicationError,
 )
 from kvdb.replication.channel import Channel, RemoteError, connect
+from kvdb.replication.namespace import key_namespace
 from kvdb.replication.protocol import ErrorCode, MsgType
 from kvdb.replication.reseed import snapshot_batches
 from kvdb.replication.sendbuf import SendBuffers
@@ -103,7 +108,7 @@ class LogSource(Protocol):
 
 class _Follower:
     __slots__ = ("addr", "auth_failures", "blocked", "channel", "confirmed_lsn", "connects", "error", "key_namespace",
-                 "refusals", "reseed", "reseed_asked", "reseeds", "sent_lsn", "state", "thread")
+                 "namespace_refusals", "refusals", "reseed", "reseed_asked", "reseeds", "sent_lsn", "state", "thread")
 
     def __init__(self, addr: str, confirmed: int) -> None:
         self.addr = addr
@@ -118,10 +123,11 @@ class _Follower:
         self.reseed_asked = False  # LogShipper.reseed(): re-seed at the next connection whatever its position
         self.reseeds = 0
         # why this follower cannot be streamed to until it is reconfigured: ("auth_failed" |
-        # "refused", reason); kept across retries, cleared when a stream starts
-        self.blocked: tuple[str, str] | None = None
+        # "refused", reason, refused for another namespace); kept across retries, cleared when a stream starts
+        self.blocked: tuple[str, str, bool] | None = None
         self.auth_failures = 0  # handshakes it refused for this leader's secret
-        self.refusals = 0  # streams it refused (ERROR{INVALID})
+        self.refusals = 0  # streams it refused (ERROR{INVALID} or ERROR{NAMESPACE})
+        self.namespace_refusals = 0  # of those, refused for another namespace (key secret included)
         self.key_namespace = "unknown"  # whether it computes this leader's keys (namespace.py), as it said
 
 
@@ -214,7 +220,8 @@ class LogShipper:
                         raise ReplicationError(f"followers have not confirmed lsn {target} within {timeout_s} s: "
                                                f"{desc}")
                     # the follower said why it will not confirm: waiting out the timeout changes nothing
-                    err = AuthError if any(f.blocked[0] == "auth_failed" for f in blocked) else ReplicationError
+                    err = (AuthError if any(f.blocked[0] == "auth_failed" for f in blocked) else
+                           NamespaceError if any(f.blocked[2] for f in blocked) else ReplicationError)
                     raise err(f"followers cannot confirm lsn {target}: {desc}")
                 self._cond.wait(min(left, 0.1))
 
@@ -224,14 +231,17 @@ class LogShipper:
             return [{"addr": f.addr, "state": f.state, "confirmed_lsn": f.confirmed_lsn,
                      "lag_records": max(0, last - f.confirmed_lsn), "error": f.error, "connects": f.connects,
                      "reseed": dict(f.reseed) if f.reseed else None, "reseeds": f.reseeds,
-                     "auth_failures": f.auth_failures, "refusals": f.refusals, "key_namespace": f.key_namespace}
+                     "auth_failures": f.auth_failures, "refusals": f.refusals,
+                     "namespace_refusals": f.namespace_refusals, "key_namespace": f.key_namespace}
                     for f in self.followers]
 
     def counters(self) -> dict:
-        """Summed over the followers: handshakes refused for this leader's secret, streams refused."""
+        """Summed over the followers: handshakes refused for this leader's secret, streams refused
+        (and of those, for another namespace)."""
         with self._cond:
             return {"auth_failures": sum(f.auth_failures for f in self.followers),
-                    "refused_streams": sum(f.refusals for f in self.followers)}
+                    "refused_streams": sum(f.refusals for f in self.followers),
+                    "namespace_refusals": sum(f.namespace_refusals for f in self.followers)}
 
     def reseed(self, addr: str) -> None:
         """Re-seed follower ``addr`` at its next connection (now: its stream is restarted), also
@@ -268,16 +278,18 @@ class LogShipper:
                 setattr(f, k, v)
             self._cond.notify_all()
 
-    def _block(self, f: _Follower, state: str, e: Exception) -> None:
-        """The follower will not take this stream until it is reconfigured (see the module doc)."""
+    def _block(self, f: _Follower, state: str, e: Exception, namespace: bool = False) -> None:
+        """The follower will not take this stream until it is reconfigured (see the module doc);
+        ``namespace``: it refused this leader's namespace (``sync`` raises NamespaceError)."""
         why = str(e)
         with self._cond:
-            again = f.blocked == (state, why)
-            f.blocked, f.state, f.error = (state, why), state, why
+            again = f.blocked == (state, why, namespace)
+            f.blocked, f.state, f.error = (state, why, namespace), state, why
             if state == "auth_failed":
                 f.auth_failures += 1
             else:
                 f.refusals += 1
+                f.namespace_refusals += namespace
             self._cond.notify_all()
         if not again:  # once per follower and reason, not once per retry
             log.error("log stream to follower %s: %s (%s; retried every second)", f.addr, why, state)
@@ -292,8 +304,8 @@ class LogShipper:
                 self._block(f, "auth_failed", e)
                 backoff = 1.0
             except RemoteError as e:
-                if e.code == ErrorCode.INVALID:
-                    self._block(f, "refused", e)
+                if e.code in (ErrorCode.INVALID, ErrorCode.NAMESPACE):
+                    self._block(f, "refused", e, namespace=e.code == ErrorCode.NAMESPACE)
                     backoff = 1.0
                 else:
                     self._set(f, state="disconnected", error=str(e))
@@ -320,7 +332,8 @@ class LogShipper:
         if f.blocked is None:  # a blocked follower keeps its state and reason until a stream starts
             self._set(f, state="connecting")
         ch = connect(f.addr, self.secret, node=self.node, timeout_s=30)
-        self._set(f, channel=ch)
+        # its WELCOME's namespace: whether it computes this leader's keys, also when it refuses
+        self._set(f, channel=ch, key_namespace=key_namespace(self.namespace or {}, ch.peer_meta.get("namespace")))
         try:
             transport = (self._transport_arg if isinstance(self._transport_arg, Transport)
                          else get_transport(self._transport_arg, local_host=ch.sock.getsockname()[0]))
@@ -332,7 +345,7 @@ class LogShipper:
                                          "region_bytes": 2 * self.batch_bytes if engine else 0})
             pos = ch.expect(MsgType.SHIP_POSITION).meta
             applied = int(pos.get("applied_lsn", 0))
-            self._set(f, key_namespace=str(pos.get("key_namespace") or "unknown")[:16])
+            self._set(f, key_namespace=str(pos.get("key_namespace") or f.key_namespace)[:16])
             region = pos.get("region") if engine else None
             if engine and not region:
                 engine = False

@@ -9,10 +9,14 @@ Applies every record type the leader logs, in lsn order, through the Db's public
     CHECKPOINT           nothing (the follower checkpoints its own log); counted as ``skipped``
 
 A follower takes a stream only from a leader of its own namespace (namespace.py: model, revision,
-layout and dtype, key algorithm, tensor / pipeline rank): the leader's travels in SHIP_HELLO, and
-one of another namespace is refused with ERROR{INVALID} naming the fields that differ, before
-any record (shipping.py S6); the leader then reports that reason (state ``refused``). A leader
-that sends no namespace (a bare log directory) is held to this follower's page size.
+layout and dtype, key algorithm, tensor / pipeline rank, and the key secret, compared by its
+fingerprint ``key_secret_id``): the leader's travels in SHIP_HELLO, and one of another namespace
+is refused with ERROR{NAMESPACE} naming what differs, before any record (shipping.py S6); the
+leader then reports that reason (state ``refused``, ``NamespaceError`` from ``sync_replicas``).
+Only a sink made with ``allow_foreign_keys=True`` (a raw byte mirror: ``kvdb replicate serve
+--allow-foreign-keys``) takes the records of a leader of another key secret, and warns once per
+leader. A leader that sends no namespace (a bare log directory) is held to this follower's page
+size.
 
 A batch is decoded and checked whole (every crc, body, sealed payload) before anything of it is
 applied, so a batch refused for damage or a wrong key leaves nothing half-applied.
@@ -55,7 +59,7 @@ from kvdb.format.record import (
 from kvdb.format.swap import APPLIED_NAME
 from kvdb.fs import write_file_atomic
 from kvdb.replication.channel import Channel
-from kvdb.replication.namespace import key_namespace, mismatch, namespace_of
+from kvdb.replication.namespace import key_namespace, key_refusal, mismatch, namespace_of
 from kvdb.replication.protocol import ErrorCode, Message, MsgType
 from kvdb.replication.reseed import Staging, finish_swap
 from kvdb.replication.transport import Region
@@ -68,8 +72,10 @@ META_KINDS = {RecordType.SESSION: "session", RecordType.TTL: "ttl", RecordType.L
 class LogSink:
     """Applies shipped records to a Db (S1, S2); ``serve_stream`` runs on a NodeServer connection."""
 
-    def __init__(self, db, state_dir, *, durable: bool, reopen=None) -> None:
+    def __init__(self, db, state_dir, *, durable: bool, reopen=None, allow_foreign_keys: bool = False) -> None:
         self.db = db
+        # True: a raw byte mirror, which takes a leader of another key secret (namespace.py)
+        self.allow_foreign_keys = allow_foreign_keys
         self.state_dir = Path(state_dir)
         self.durable = durable  # False: a memory-only follower; its position is not persisted
         self.reopen = reopen  # (path, host_bytes=) -> Db with the daemon's options; None: no re-seed
@@ -84,15 +90,17 @@ class LogSink:
         # "same" | "differs" | "unknown": whether this follower computes the leader's keys (namespace.py)
         self.key_namespace = "unknown"
         self._warned_keys: set[str] = set()  # leaders a "differs" warning was logged for
+        self.last_refusal: str | None = None  # why the last refused stream was refused
         self.staging: Staging | None = None  # the copy being received (reseed.py)
         self.last_reseed: dict | None = None
         self.debug_reseed_hook = None  # tests: called with the records received after each batch
         self._batch: np.ndarray | None = None  # decode buffer reused across batches (guarded by _lock)
 
     @classmethod
-    def for_db(cls, db, reopen=None) -> LogSink:
+    def for_db(cls, db, reopen=None, *, allow_foreign_keys: bool = False) -> LogSink:
         durable = "disk" in db.stats().get("tiers", {})
-        return cls(db, Path(db.path) / "replication", durable=durable, reopen=reopen if durable else None)
+        return cls(db, Path(db.path) / "replication", durable=durable, reopen=reopen if durable else None,
+                   allow_foreign_keys=allow_foreign_keys)
 
     def _load_applied(self) -> int:
         """Read ``applied_lsn`` (kvdb/format/position.py): the lsn and the leader log it counts."""
@@ -131,7 +139,8 @@ class LogSink:
     def status(self) -> dict:
         st = self.staging
         return {"applied_lsn": self._applied, "leader": self.leader, "log_id": self.log_id,
-                "key_namespace": self.key_namespace, "durable": self.durable, **self.counters,
+                "key_namespace": self.key_namespace, "allow_foreign_keys": self.allow_foreign_keys,
+                "last_refusal": self.last_refusal, "durable": self.durable, **self.counters,
                 "reseed": dict(st.progress) if st is not None else None, "last_reseed": self.last_reseed}
 
     # ------------------------------------------------------------------ applying
@@ -250,14 +259,17 @@ class LogSink:
         """Run one leader's stream on an accepted connection until it closes; ``open_region(n)``
         / ``release_region(r)`` lend landing memory (the node's pool)."""
         self.leader = str(hello.meta.get("leader") or ch.peer_node)[:256]
+        self.key_namespace = key_namespace(namespace_of(self.db), hello.meta.get("namespace"))
         why = self._refusal(hello.meta)
         if why is not None:
             with self._lock:
                 self.counters["refused_streams"] += 1
-            log.warning("refused the log stream of leader %s: %s", self.leader, why)
-            ch.send_error(ErrorCode.INVALID, f"{why}; nothing was applied")
+                again, self.last_refusal = self.last_refusal == why, why
+            if not again:  # once per reason, not once per retry of the leader (every second)
+                log.warning("refused the log stream of leader %s: %s", self.leader, why)
+            ch.send_error(ErrorCode.NAMESPACE, f"{why}; nothing was applied")
             return
-        self._note_key_namespace(hello.meta.get("namespace"))
+        self._warn_foreign_keys()
         want = int(hello.meta.get("region_bytes") or 0)
         leader_log = hello.meta.get("log_id")
         seal_check = hello.meta.get("seal_check")
@@ -287,21 +299,24 @@ class LogSink:
             if region is not None:
                 release_region(region)
 
-    def _note_key_namespace(self, theirs) -> None:
-        """Whether this follower computes its leader's keys (namespace.py ``key_namespace``); a
-        follower that does not is warned about once per leader, not refused."""
-        self.key_namespace = key_namespace(namespace_of(self.db), theirs)
+    def _warn_foreign_keys(self) -> None:
+        """A raw byte mirror (``allow_foreign_keys``) of a leader of another key secret: warned
+        about once per leader (the stream is taken)."""
         if self.key_namespace == "differs" and self.leader not in self._warned_keys:
             self._warned_keys.add(self.leader)
-            log.warning("this follower has another key secret than leader %s: it holds the leader's blocks, but "
-                        "lookups by tokens here compute other keys and find none of them; give every node the "
-                        "same key secret file (docs/replication.md, 'One key namespace per cluster')", self.leader)
+            log.warning("this follower has another key secret than leader %s and takes its records as a raw byte "
+                        "mirror (allow_foreign_keys): it holds the leader's blocks, but lookups by tokens here "
+                        "compute other keys and find none of them", self.leader)
 
     def _refusal(self, hello: dict) -> str | None:
         """Why this follower refuses the stream SHIP_HELLO announces (S6), or None."""
         theirs = hello.get("namespace")
         if theirs is not None:
-            return mismatch(namespace_of(self.db), theirs, us="this follower", them=f"leader {self.leader}")
+            ours, them = namespace_of(self.db), f"leader {self.leader}"
+            why = mismatch(ours, theirs, us="this follower", them=them)
+            if why is None and not self.allow_foreign_keys:
+                why = key_refusal(ours, theirs, us="this follower", them=them)
+            return why
         page, theirs_page = self.db.layout.page_bytes, hello.get("page_bytes")
         if theirs_page is not None and theirs_page != page:
             return (f"leader {self.leader} ships {theirs_page}-byte pages; this follower stores {page}-byte pages "

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 from functools import partial
+from pathlib import Path
 
 import helpers
 import pytest
@@ -25,10 +26,17 @@ from kvdb.replication.netns import netns_unavailable, private_netns
 from kvdb.replication.transport import mooncake_import_error
 
 SECRET = b"0123456789abcdef-test-cluster-secret"
+#: the cluster's key secret: every node of a test cluster is given it (kvdb.open(key_secret=),
+#: serve --key-secret-file), as docs/replication.md "One key namespace per cluster" asks; a
+#: follower of another one refuses its leader (tests/replication/test_key_namespace.py)
+KEY_SECRET = b"kvdb-test-cluster-key-secret-32b"
 # 4 layers x 2 (k, v) x 16 tokens x 2 heads x 32 dims x 2 bytes = 16 KiB pages
 LAYOUT = BlockLayout(num_layers=4, num_kv_heads=2, head_dim=32, block_tokens=16, dtype=torch.bfloat16)
-#: a Db of the replication tests: 64 host pages of LAYOUT over an unbounded disk tier
-open_db = partial(helpers.open_db, layout=LAYOUT, host_pages=64, disk_bytes=None)
+#: a Db of the replication tests: 64 host pages of LAYOUT over an unbounded disk tier, in the
+#: cluster's key namespace
+open_db = partial(helpers.open_db, layout=LAYOUT, host_pages=64, disk_bytes=None, key_secret=KEY_SECRET)
+#: NodeProc's default key secret file: one holding KEY_SECRET, beside the cluster secret file
+CLUSTER_KEYS = "cluster"
 
 _NETNS_WHY = netns_unavailable()
 _TE_WHY = mooncake_import_error()
@@ -58,6 +66,12 @@ def netns():
         return
     with private_netns():
         yield
+
+
+def write_key_secret_file(path, secret: bytes = KEY_SECRET):
+    """A key secret file (``serve --key-secret-file``) at ``path``; returns ``path``."""
+    path.write_bytes(secret)
+    return path
 
 
 @pytest.fixture
@@ -92,12 +106,15 @@ class NodeProc:
     """A ``kvdb replicate serve`` subprocess (started inside the caller's namespace)."""
 
     def __init__(self, db_path, secret_file, *, port: int = 0, transport: str | None = None, disk_bytes=None,
-                 wait: bool = True, replicas=(), key_secret_file=None):
+                 wait: bool = True, replicas=(), key_secret_file=CLUSTER_KEYS, allow_foreign_keys: bool = False):
         if transport is None:  # never let a node start an engine where this process could not contain it
             transport = "auto" if _TE_WHY is None else "tcp"
         self.db_path, self.secret_file, self.transport, self.disk_bytes = db_path, secret_file, transport, disk_bytes
         self.replicas = list(replicas)
-        self.key_secret_file = key_secret_file  # the cluster's key secret (--key-secret-file), None: the Db's own
+        if key_secret_file == CLUSTER_KEYS:  # the cluster's (KEY_SECRET); None: the Db's own
+            key_secret_file = write_key_secret_file(Path(secret_file).parent / "cluster.keysecret")
+        self.key_secret_file = key_secret_file  # --key-secret-file
+        self.allow_foreign_keys = allow_foreign_keys  # --allow-foreign-keys: a raw byte mirror
         self.port = port
         self.spawn()
         if wait:
@@ -119,6 +136,8 @@ class NodeProc:
             cmd += ["--replica", r]
         if self.key_secret_file is not None:
             cmd += ["--key-secret-file", str(self.key_secret_file)]
+        if self.allow_foreign_keys:
+            cmd += ["--allow-foreign-keys"]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                                      preexec_fn=die_with_parent)
 

@@ -12,7 +12,7 @@ import kvdb
 from kvdb.errors import InvalidInput
 from kvdb.replication import Peer
 
-from .conftest import LAYOUT, SECRET, TRANSPORTS, make_blocks, make_keys, open_db
+from .conftest import KEY_SECRET, LAYOUT, SECRET, TRANSPORTS, make_blocks, make_keys, open_db
 from .test_push import server  # noqa: F401 - the in-process node fixture
 
 _open = partial(open_db, host_pages=16, model_id="m", disk_bytes=0)
@@ -60,7 +60,8 @@ def test_sync_replicas_through_the_db(netns, tmp_path, secret_file, nodes):
     f = nodes(tmp_path / "f", secret_file, transport="tcp")
     blocks, keys = make_blocks(3, seed=41), make_keys(3, tag=41)
     with kvdb.open(tmp_path / "leader", layout=LAYOUT, model_id="test-model", host_bytes=16 * LAYOUT.page_bytes,
-                   replicas=[f.address], replication_secret_file=secret_file, replication_transport="tcp") as db:
+                   replicas=[f.address], replication_secret_file=secret_file, replication_transport="tcp",
+                   key_secret=KEY_SECRET) as db:
         db.put_blocks(keys, blocks, durability="group")
         assert db.sync_replicas(30) > 0
         st = db.replication_status()["followers"][0]

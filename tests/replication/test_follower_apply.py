@@ -21,7 +21,7 @@ from kvdb.replication.replicator import Replicator
 from kvdb.replication.sink import LogSink
 from kvdb.wal.source import SegmentLogSource
 
-from .conftest import LAYOUT, SECRET, make_blocks, make_keys, open_db, wait_for
+from .conftest import KEY_SECRET, LAYOUT, SECRET, make_blocks, make_keys, open_db, wait_for
 
 PAGE = LAYOUT.page_bytes
 
@@ -50,7 +50,7 @@ class _Follower:
         self.db = open_db(path, **kw)
 
         def reopen(p, host_bytes=64 * PAGE):  # what kvdb replicate serve passes: its own options
-            return kvdb.open(p, host_bytes=host_bytes, **kw)
+            return kvdb.open(p, host_bytes=host_bytes, **{"key_secret": KEY_SECRET, **kw})
 
         self.srv = NodeServer(self.db, f"127.0.0.1:{port}", SECRET, transport="tcp",
                               sink=LogSink.for_db(self.db, reopen=reopen)).start()

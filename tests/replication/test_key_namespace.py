@@ -1,18 +1,24 @@
-"""One key namespace per cluster (issue 14, hole 3; docs/replication.md "One key namespace per
-cluster"): given the same key secret file, a follower made by ``kvdb replicate serve`` computes
+"""One key namespace per cluster (issue 14, holes 3 and 4; docs/replication.md "One key namespace
+per cluster"): given the same key secret file, a follower made by ``kvdb replicate serve`` computes
 its leader's keys for the same tokens and tenant, so lookups by tokens on it find the leader's
-blocks; a follower of another secret is reported (``key_namespace: "differs"``), not silent."""
+blocks; a follower of another secret refuses the leader's records (``NamespaceError`` from
+``sync_replicas``, the reason in the leader's status and ``kvdb replicate status``), unless it
+is a raw byte mirror (``--allow-foreign-keys``)."""
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
 import kvdb
 
-from .conftest import LAYOUT, SECRET, TRANSPORTS, make_blocks
+from .conftest import LAYOUT, SECRET, TRANSPORTS, make_blocks, make_keys, wait_for
+from kvdb.errors import NamespaceError
 from kvdb.replication import Peer
 
 PAGE = LAYOUT.page_bytes
@@ -54,20 +60,87 @@ def test_a_follower_given_the_cluster_key_secret_answers_token_lookups(netns, tm
         assert torch.equal(out, blocks)
 
 
-def test_a_follower_of_another_key_secret_is_reported(netns, tmp_path, secret_file, nodes):
+def test_a_follower_of_another_key_secret_refuses_and_the_leader_says_why(netns, tmp_path, secret_file, nodes):
     # Scenario: the follower runs without --key-secret-file, so it keeps its own random KEY_SECRET
-    # (before this change: a silent cold cache on failover). It still holds the leader's blocks
-    # bit-exact under the leader's keys, but its own keys for the same tokens differ: both nodes'
-    # status says key_namespace "differs", and its lookups by tokens find 0 of the 4 blocks.
-    f = nodes(tmp_path / "f", secret_file, transport="tcp")
+    # (before, it took the records anyway and a failover to it was a silent cold cache). The
+    # leader (its own secret too) writes 4 blocks: the follower refuses the stream before any
+    # record (ERROR{NAMESPACE}), so sync_replicas raises NamespaceError at once with the reason;
+    # the leader shows the follower refused, key_namespace "differs", and counts the refusals.
+    # Only fingerprints travel: neither node's key secret appears in any message. The follower
+    # applied nothing of the leader's.
+    f = nodes(tmp_path / "f", secret_file, transport="tcp", key_secret_file=None)
     blocks = make_blocks(4, seed=62)
+    with _leader(tmp_path / "leader", f.address, secret_file, "tcp") as db:
+        keys = db.block_keys(TOKENS, tenant=TENANT)
+        db.put_blocks(keys, blocks, durability="group")
+        with pytest.raises(NamespaceError, match="another namespace than this follower: another key secret") as err:
+            db.sync_replicas(30)
+        st = db.replication_status()
+        (fs,) = st["followers"]
+        assert (fs["state"], fs["key_namespace"], fs["confirmed_lsn"]) == ("refused", "differs", 0)
+        assert "another key secret" in fs["error"] and "--key-secret-file" in fs["error"]
+        assert fs["namespace_refusals"] >= 1 and fs["refusals"] >= fs["namespace_refusals"]
+        assert st["counters"]["namespace_refusals"] >= 1 and st["counters"]["refused_streams"] >= 1
+        assert db.stats()["replication"]["namespace_refusals"] >= 1
+        ours = json.loads((tmp_path / "leader" / "MANIFEST.json").read_text())["key_secret_id"]
+        theirs = json.loads((tmp_path / "f" / "MANIFEST.json").read_text())["key_secret_id"]
+        assert f"key_secret_id {ours[:8]}... vs {theirs[:8]}..." in str(err.value)
+        secrets = [(tmp_path / "leader" / "KEY_SECRET").read_bytes(), (tmp_path / "f" / "KEY_SECRET").read_bytes()]
+    with Peer(f.address, secret=SECRET, transport="tcp") as p:
+        fol = p.status()["follower"]
+    assert (fol["key_namespace"], fol["applied_lsn"], fol["records"]) == ("differs", 0, 0)
+    assert fol["refused_streams"] >= 1 and "another key secret" in fol["last_refusal"]
+    for text in (str(err.value), fs["error"], fol["last_refusal"]):
+        for secret in secrets:
+            assert secret.hex() not in text and secret.hex()[:16] not in text
+    assert f.stop() == 0
+    with kvdb.open(tmp_path / "f", host_bytes=16 * PAGE) as fdb:
+        assert fdb.cold_store.contains(keys) == [False] * 4
+
+
+def test_kvdb_replicate_status_says_why_a_follower_refused(netns, tmp_path, secret_file, nodes):
+    # Scenario: a `serve` leader given the cluster key secret file ships to a `serve` follower
+    # given none (its own secret). A push to the leader is durable there, but the follower
+    # refuses it; `kvdb replicate status` on the leader shows the follower refused, why (its
+    # table and --json), and the follower's own status shows its refusal; it holds nothing.
+    f = nodes(tmp_path / "f", secret_file, key_secret_file=None)
+    leader = nodes(tmp_path / "leader", secret_file, replicas=[f.address])
+    keys, blocks = make_keys(2, tag=65), make_blocks(2, seed=65)
+    with Peer(leader.address, secret=SECRET) as p:
+        p.push(keys, blocks, durability="sync")
+        wait_for(lambda: p.status()["followers"][0]["state"] == "refused", "the follower to refuse")
+    cli = [sys.executable, "-c", "from kvdb.cli.main import cli; cli()", "replicate", "status", "--peer",
+           leader.address, "--secret-file", str(secret_file)]
+    r = subprocess.run([*cli, "--json"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    (fs,) = json.loads(r.stdout)["followers"]
+    assert (fs["state"], fs["key_namespace"], fs["confirmed_lsn"]) == ("refused", "differs", 0)
+    assert "another namespace than this follower: another key secret" in fs["error"]
+    r = subprocess.run(cli, capture_output=True, text=True, timeout=60, env={**os.environ, "COLUMNS": "400"})
+    assert r.returncode == 0, r.stderr
+    assert f"follower {f.address} (refused): " in r.stdout and "another key secret" in r.stdout
+    with Peer(f.address, secret=SECRET) as p:
+        assert p.lookup(keys)[0] == 0
+        assert p.status()["follower"]["records"] == 0
+
+
+def test_a_raw_byte_mirror_may_take_another_key_secret(netns, tmp_path, secret_file, nodes):
+    # Scenario: the one use of a follower of another key secret, a raw byte mirror looked up by
+    # its leader's keys, is an opt-in (serve --allow-foreign-keys): it takes the stream, holds
+    # the leader's blocks bit-exact, and both nodes say key_namespace "differs"; its own lookups
+    # by tokens compute other keys and find none of them.
+    f = nodes(tmp_path / "f", secret_file, transport="tcp", key_secret_file=None, allow_foreign_keys=True)
+    blocks = make_blocks(4, seed=66)
     with _leader(tmp_path / "leader", f.address, secret_file, "tcp") as db:
         keys = db.block_keys(TOKENS, tenant=TENANT)
         db.put_blocks(keys, blocks, durability="group")
         db.sync_replicas(30)
         assert db.replication_status()["followers"][0]["key_namespace"] == "differs"
     with Peer(f.address, secret=SECRET, transport="tcp") as p:
-        assert p.status()["follower"]["key_namespace"] == "differs"
+        fol = p.status()["follower"]
+        assert (fol["key_namespace"], fol["allow_foreign_keys"], fol["refused_streams"]) == ("differs", True, 0)
+        hits, rows = p.lookup(keys)
+    assert hits == 4 and torch.equal(rows.view(LAYOUT.dtype).view(4, *LAYOUT.block_shape), blocks)
     assert f.stop() == 0
     with kvdb.open(tmp_path / "f", host_bytes=16 * PAGE) as fdb:
         assert fdb.match_prefix(fdb.block_keys(TOKENS, tenant=TENANT)) == 0
@@ -100,8 +173,6 @@ def test_a_reseeded_follower_answers_token_lookups_with_the_cluster_key_secret(n
     # (a copy of the live blocks, written by its own staging Db from its own MANIFEST.json). The
     # follower's directory keeps its own store id and computes the leader's keys: p2's 4 blocks
     # are found by tokens, p1's are gone, as on the leader.
-    import json
-
     ks = tmp_path / "cluster.keysecret"
     ks.write_bytes(os.urandom(32))
     p1, p2 = list(range(64)), list(range(5000, 5064))

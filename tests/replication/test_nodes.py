@@ -16,7 +16,7 @@ import kvdb
 from kvdb.errors import AuthError, ReplicationError
 from kvdb.replication import Peer
 
-from .conftest import LAYOUT, SECRET, TRANSPORTS, make_blocks, make_keys
+from .conftest import KEY_SECRET, LAYOUT, SECRET, TRANSPORTS, make_blocks, make_keys
 
 pytestmark = pytest.mark.slow  # every test runs node processes: 5-15 s each
 
@@ -63,7 +63,7 @@ def test_node_killed_mid_push_keeps_every_acknowledged_block(netns, tmp_path, se
     assert hits == 12 and torch.equal(got, blocks)
     # after the daemon stops, PATH opens as an ordinary Db holding the blocks
     assert node.stop() == 0
-    with kvdb.open(tmp_path / "decode", host_bytes=16 * LAYOUT.page_bytes) as db:
+    with kvdb.open(tmp_path / "decode", host_bytes=16 * LAYOUT.page_bytes, key_secret=KEY_SECRET) as db:
         out = torch.empty((12, *LAYOUT.block_shape), dtype=LAYOUT.dtype)
         db.get_blocks(keys, out=out)
         assert torch.equal(out, blocks)

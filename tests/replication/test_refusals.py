@@ -14,11 +14,11 @@ import torch
 
 import kvdb
 from kvdb import BlockLayout
-from kvdb.errors import AuthError, ReplicationError
+from kvdb.errors import AuthError, NamespaceError, ReplicationError
 from kvdb.replication import NodeServer
 from kvdb.replication.sink import LogSink
 
-from .conftest import LAYOUT, SECRET, make_blocks, make_keys, wait_for
+from .conftest import KEY_SECRET, LAYOUT, SECRET, make_blocks, make_keys, wait_for
 
 PAGE = LAYOUT.page_bytes
 # other layouts of the same page size (16 KiB): only the namespace tells them apart
@@ -29,6 +29,7 @@ assert SAME_PAGE_OTHER_SHAPE.page_bytes == SAME_PAGE_OTHER_DTYPE.page_bytes == P
 
 
 def _leader(path, secret_file, replicas=(), peers=(), **kw):
+    kw.setdefault("key_secret", KEY_SECRET)  # the cluster's key namespace
     return kvdb.open(path, layout=LAYOUT, model_id="test-model", host_bytes=16 * PAGE, replicas=list(replicas),
                      peers=list(peers), replication_secret_file=secret_file, replication_transport="tcp", **kw)
 
@@ -37,6 +38,7 @@ class _Follower:
     """An in-process follower node: a Db with a disk tier, a LogSink, a NodeServer."""
 
     def __init__(self, path, *, layout=LAYOUT, model_id="test-model", secret=SECRET, **kw) -> None:
+        kw.setdefault("key_secret", KEY_SECRET)  # the cluster's key namespace
         self.db = kvdb.open(path, layout=layout, model_id=model_id, host_bytes=16 * layout.page_bytes, **kw)
         self.srv = NodeServer(self.db, "127.0.0.1:0", secret, transport="tcp", sink=LogSink.for_db(self.db)).start()
         self.address = self.srv.address
@@ -52,6 +54,8 @@ NAMESPACES = [
     pytest.param({"layout": SAME_PAGE_OTHER_SHAPE}, "layout (head_dim 32 vs 16, num_layers 4 vs 8)", id="layout"),
     pytest.param({"layout": SAME_PAGE_OTHER_DTYPE}, "layout (dtype 'bfloat16' vs 'float16')", id="dtype"),
     pytest.param({"key_algo": "xxh3_128"}, "key_algo 'sha256' vs 'xxh3_128'", id="key-namespace"),
+    pytest.param({"key_secret": b"another-cluster-key-secret-0123"}, "another key secret (key_secret_id ",
+                 id="key-secret"),
     pytest.param({"layout": OTHER_PAGE}, "layout (num_layers 4 vs 8)", id="page-size"),
 ]
 
@@ -60,7 +64,7 @@ NAMESPACES = [
 def test_a_follower_of_another_namespace_refuses_and_the_leader_says_why(tmp_path, secret_file, follower_kw, why):
     # Scenario: a leader Db of test-model (bf16, 4 layers, sha256 keys) with replicas=[f]
     # writes 3 blocks; f holds another model / revision / layout / dtype / key namespace /
-    # page size. f refuses the stream before any record (nothing applied, counted); the
+    # key secret / page size. f refuses the stream before any record (nothing applied, counted); the
     # leader's sync_replicas raises at once with f's own reason naming the field that differs
     # (not a timeout), and replication_status() shows the follower refused with that reason.
     keys, blocks = make_keys(3, tag=90), make_blocks(3, seed=90)
@@ -69,13 +73,14 @@ def test_a_follower_of_another_namespace_refuses_and_the_leader_says_why(tmp_pat
         with _leader(tmp_path / "leader", secret_file, replicas=[f.address]) as db:
             db.put_blocks(keys, blocks, durability="group")
             refused = r"cannot confirm lsn \d+: .*\(refused: .*" + re.escape(why)
-            with pytest.raises(ReplicationError, match=refused) as e:
+            with pytest.raises(NamespaceError, match=refused) as e:
                 db.sync_replicas(60)
             assert not isinstance(e.value, AuthError)
             st = db.replication_status()["followers"][0]
             assert st["state"] == "refused" and st["confirmed_lsn"] == 0 and st["refusals"] >= 1
             assert why in st["error"] and "another namespace" in st["error"] and "nothing was applied" in st["error"]
             assert db.stats()["replication"]["refused_streams"] >= 1
+            assert db.stats()["replication"]["namespace_refusals"] >= 1 and st["namespace_refusals"] >= 1
         sink = f.srv.sink.status()
         assert sink["applied_lsn"] == 0 and sink["records"] == 0 and sink["refused_streams"] >= 1
         assert f.db.match_prefix(keys, peek=True) == 0
@@ -84,8 +89,8 @@ def test_a_follower_of_another_namespace_refuses_and_the_leader_says_why(tmp_pat
 
 
 def test_a_follower_of_the_same_namespace_still_follows(tmp_path, secret_file):
-    # The control of the test above: the same model with its own key secret and a default
-    # revision takes the stream (the key secret is not part of what is compared yet).
+    # The control of the test above: the same model and key secret (the cluster's) and a
+    # default revision takes the stream.
     keys, blocks = make_keys(3, tag=91), make_blocks(3, seed=91)
     f = _Follower(tmp_path / "f")
     try:

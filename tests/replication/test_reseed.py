@@ -32,7 +32,7 @@ from kvdb.replication.reseed import (
 )
 from kvdb.replication.sink import LogSink
 
-from .conftest import LAYOUT, SECRET, TRANSPORTS, make_blocks, make_keys, open_db, wait_for
+from .conftest import KEY_SECRET, LAYOUT, SECRET, TRANSPORTS, make_blocks, make_keys, open_db, wait_for
 
 _wait = functools.partial(wait_for, poll_s=0.002)  # fast: some tests catch a re-seed mid-copy
 
@@ -41,7 +41,7 @@ RECORD_BYTES = 53 + PAGE  # one raw PUT_BLOCK record
 
 
 def _reopen(path, host_bytes=64 * PAGE):
-    return kvdb.open(path, host_bytes=host_bytes)
+    return kvdb.open(path, host_bytes=host_bytes, key_secret=KEY_SECRET)  # the daemon's options: the cluster's
 
 
 def _blocks_of(db, keys) -> dict:
@@ -273,7 +273,8 @@ def test_a_follower_behind_the_log_killed_mid_reseed_holds_old_or_new_and_resume
 def test_a_memory_only_follower_is_not_reseeded(netns, tmp_path):
     # Scenario: a memory-only follower (no disk tier: nothing to swap) of another log is asked
     # to re-seed: it refuses, and the leader keeps it needs_reseed with the reason.
-    fdb = kvdb.open(tmp_path / "f", layout=LAYOUT, model_id="test-model", host_bytes=64 * PAGE, disk_bytes=0)
+    fdb = kvdb.open(tmp_path / "f", layout=LAYOUT, model_id="test-model", host_bytes=64 * PAGE, disk_bytes=0,
+                    key_secret=KEY_SECRET)
     srv = NodeServer(fdb, "127.0.0.1:0", SECRET, transport="tcp", sink=LogSink.for_db(fdb, reopen=_reopen)).start()
     try:
         with open_db(tmp_path / "b") as b:

@@ -15,11 +15,12 @@ from kvdb.replication import Peer
 from kvdb.replication.replicator import Replicator
 from kvdb.replication.slots import retained_lsn
 
-from .conftest import LAYOUT, SECRET, TRANSPORTS, make_blocks, make_keys
+from .conftest import KEY_SECRET, LAYOUT, SECRET, TRANSPORTS, make_blocks, make_keys
 
 
 def _leader(path):
-    return kvdb.open(path, layout=LAYOUT, model_id="test-model", host_bytes=64 * LAYOUT.page_bytes)
+    return kvdb.open(path, layout=LAYOUT, model_id="test-model", host_bytes=64 * LAYOUT.page_bytes,
+                     key_secret=KEY_SECRET)
 
 
 def _holds(addr: str, keys, blocks) -> bool:
@@ -159,7 +160,8 @@ def test_dropped_connections_are_resumed_without_loss(netns, tmp_path):
     from kvdb.replication import NodeServer
     from kvdb.replication.sink import LogSink
 
-    fdb = kvdb.open(tmp_path / "f", layout=LAYOUT, model_id="test-model", host_bytes=64 * LAYOUT.page_bytes)
+    fdb = kvdb.open(tmp_path / "f", layout=LAYOUT, model_id="test-model", host_bytes=64 * LAYOUT.page_bytes,
+                    key_secret=KEY_SECRET)
     srv = NodeServer(fdb, "127.0.0.1:0", SECRET, transport="tcp", sink=LogSink.for_db(fdb)).start()
     b1, k1 = make_blocks(4, seed=50), make_keys(4, tag=50)
     b2, k2 = make_blocks(4, seed=51), make_keys(4, tag=51)
