@@ -78,3 +78,26 @@ def replay_hits(trace, policy: str, capacity: int) -> list[int]:
     out: list[dict] = []
     replay(trace, policy, capacity, per_request=out.append)
     return [r["hits"] for r in out]
+
+
+def tree_hashes(path) -> dict[str, str]:
+    """sha256 of every file under ``path``, by relative path (a read-only tool must leave it equal)."""
+    import hashlib
+    import os
+
+    out = {}
+    for root, _dirs, files in os.walk(path):
+        for f in files:
+            p = os.path.join(root, f)
+            with open(p, "rb") as fh:
+                out[os.path.relpath(p, path)] = hashlib.sha256(fh.read()).hexdigest()
+    return out
+
+
+def run_cli(*args):
+    """``kvdb ARGS`` in process (click's runner); arguments may be paths or numbers."""
+    from click.testing import CliRunner
+
+    from kvdb.cli.main import cli
+
+    return CliRunner().invoke(cli, [str(a) for a in args])

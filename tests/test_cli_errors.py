@@ -6,15 +6,14 @@ from __future__ import annotations
 import json
 
 import pytest
-from click.testing import CliRunner
 
 from kvdb.cli.main import cli
+from helpers import run_cli
 
 SECRET = "0123456789abcdef0123456789abcdef\n"
 
 
-def run(*args):
-    return CliRunner().invoke(cli, [str(a) for a in args])
+run = run_cli
 
 
 def check(r, code: int, *needles: str):

@@ -15,23 +15,16 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
-from helpers import LAYOUT, blocks_for, open_db
+from helpers import LAYOUT, blocks_for, open_db, run_cli, tree_hashes
 
 from kvdb.cli.main import cli
 
 
-def hashes(path) -> dict[str, str]:
-    out = {}
-    for root, _, files in os.walk(path):
-        for f in files:
-            p = os.path.join(root, f)
-            out[os.path.relpath(p, path)] = hashlib.sha256(Path(p).read_bytes()).hexdigest()
-    return out
+hashes = tree_hashes
 
 
 def run(*args):
-    r = CliRunner().invoke(cli, [str(a) for a in args])
+    r = run_cli(*args)
     assert "Traceback" not in r.output, r.output
     return r
 

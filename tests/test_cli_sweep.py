@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import click
 import pytest
-from click.testing import CliRunner
 
 from kvdb.cli.main import cli
 from kvdb.cli.output import ByteSize
+from helpers import run_cli
 
 
 def leaves(group: click.Group, path: tuple = ()):
@@ -43,8 +43,7 @@ def test_the_sweep_sees_every_command():
             "replicate serve", "replicate status", "bench cold"} <= set(IDS)
 
 
-def run(*args):
-    return CliRunner().invoke(cli, [str(a) for a in args])
+run = run_cli
 
 
 def check(r, code: int, *needles: str):

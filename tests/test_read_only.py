@@ -5,7 +5,6 @@ work on a read-only copy."""
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 import stat
@@ -15,8 +14,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
-from helpers import LAYOUT, blocks_for, open_db
+from helpers import LAYOUT, blocks_for, open_db, run_cli, tree_hashes
 
 import kvdb
 from kvdb.cli.main import cli
@@ -25,17 +23,10 @@ from kvdb.errors import InvalidInput, NotFound
 SECRET = b"0123456789abcdef"
 
 
-def hashes(path) -> dict[str, str]:
-    out = {}
-    for root, _, files in os.walk(path):
-        for f in files:
-            p = os.path.join(root, f)
-            out[os.path.relpath(p, path)] = hashlib.sha256(Path(p).read_bytes()).hexdigest()
-    return out
+hashes = tree_hashes
 
 
-def run(*args):
-    return CliRunner().invoke(cli, [str(a) for a in args])
+run = run_cli
 
 
 def make_db(path, n: int = 6):

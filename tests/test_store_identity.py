@@ -6,15 +6,13 @@ KEY_SECRET, is an error naming the file; and a failed open writes nothing."""
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 import shutil
 import struct
 
 import pytest
 from click.testing import CliRunner
-from helpers import LAYOUT, PAGE, blocks_for
+from helpers import LAYOUT, PAGE, blocks_for, tree_hashes
 
 import kvdb
 from kvdb import native
@@ -42,13 +40,7 @@ def _segments(path) -> list:
     return sorted((path / "wal").glob("*.log"))
 
 
-def _hashes(path) -> dict:
-    out = {}
-    for root, _dirs, files in os.walk(path):
-        for f in files:
-            p = os.path.join(root, f)
-            out[os.path.relpath(p, path)] = hashlib.sha256(open(p, "rb").read()).hexdigest()
-    return out
+_hashes = tree_hashes
 
 
 def _verify_exit(path) -> tuple[int, str]:

@@ -61,22 +61,26 @@ def test_guard_follows_lru_where_the_planner_loses(seed, cap):
     assert kvdb - planner >= 0.7 * (lru - planner)
 
 
-def test_guard_switches_to_lru_and_says_why():
-    tr = _frequency_trap(13)
+def _probe(trace, cap: int) -> tuple[float, AdaptiveReplacer]:
+    """Replay under the kvdb policy and hand back the guard itself, to read what it learned."""
+    from kvdb.planner import policies
+
     made = []
 
     def factory(n, **kw):
         made.append(AdaptiveReplacer(n, **kw))
         return made[-1]
 
-    from kvdb.planner import policies
-
     policies.POLICIES["_probe"] = factory
     try:
-        replay(tr, "_probe", 200)
+        return replay(trace, "_probe", cap).block_hit_ratio, made[0]
     finally:
         del policies.POLICIES["_probe"]
-    d = made[0].describe()
+
+
+def test_guard_switches_to_lru_and_says_why():
+    _, guard = _probe(_frequency_trap(13), 200)
+    d = guard.describe()
     assert d["mode"] == "lru" and d["switches"] >= 1
     assert d["learned_capacity_blocks"] == 200  # learned from its own evictions, never told (S4)
     c = d["candidates"]
@@ -93,21 +97,9 @@ def test_keeps_the_planner_where_it_wins():
     for i in range(8000):
         calls.append(rng.choice(hot) if i % 3 == 0 else [100_000 + 4 * i + k for k in range(4)])  # one-shot scans
     tr = _trace(calls)
-    made = []
-
-    def factory(n, **kw):
-        made.append(AdaptiveReplacer(n, **kw))
-        return made[-1]
-
-    from kvdb.planner import policies
-
-    policies.POLICIES["_probe"] = factory
-    try:
-        kvdb = replay(tr, "_probe", 180).block_hit_ratio
-    finally:
-        del policies.POLICIES["_probe"]
+    kvdb, guard = _probe(tr, 180)
     assert kvdb > _hit(tr, "lru", 180) + 0.05
-    assert made[0].mode != "lru"
+    assert guard.mode != "lru"
 
 
 def test_before_its_first_decision_it_is_the_planner():
