@@ -81,7 +81,10 @@ def child(path: str, round_no: int) -> None:
     out = sys.stdout
     out.write("READY\n")
     out.flush()
-    compact = store.maybe_compact
+    # the flusher calls its Checkpointer's maybe_compact (kvdb/cold/checkpoint.py), not the
+    # store's: the reporter goes there (on the store it saw no run: 0 reported since the split)
+    ckpt = store.ckpt
+    compact = ckpt.maybe_compact
 
     def reported_compact():  # runs in the flusher thread (after READY: the parent reads that first)
         r = compact()
@@ -90,7 +93,7 @@ def child(path: str, round_no: int) -> None:
             out.flush()
         return r
 
-    store.maybe_compact = reported_compact
+    ckpt.maybe_compact = reported_compact
     i = 0
     while True:
         n = rng.randint(1, 4)
