@@ -2,8 +2,9 @@
 
 Every append of the cold store queues the index writes its records stand for, in lsn order,
 under ``writer.lock`` (so queue order is lsn order): a PUT's entry, a DELETE's removals, a
-metadata value. Block updates are also published at once in ``pending`` (key -> (lsn, entry or
-None)), where readers find them before RocksDB has them (``lookup``). Whoever learns that the
+metadata value. Block updates are also published at once in ``pending`` (key -> (lsn, encoded entry or
+None)), where readers find them before RocksDB has them (``lookup``). A batch of puts appended
+at once (``put_rows``) is one item of the queue, applied whole once its last lsn is durable. Whoever learns that the
 log is durable up to some lsn writes the queue's durable prefix to RocksDB in one batch
 (``apply``) and drops those keys from ``pending``; ``group`` commits leave that to the next
 flush unless ``APPLY_BATCH`` updates wait (kvdb/cold/store.py).
@@ -46,6 +47,10 @@ def index_ops(segment_no: int, offset: int, rtype: int, lsn: int, crc: int, body
     return []
 
 
+#: marks a queue item that is a whole put_rows batch
+BATCH = object()
+
+
 class IndexQueue:
     def __init__(self, index, writer) -> None:
         """``index``: the store's Index (kvdb/cold/index.py); ``writer``: its LogWriter (whose
@@ -53,12 +58,16 @@ class IndexQueue:
         self.index = index
         self.writer = writer
         self.lock = threading.Lock()
-        self._queue: collections.deque = collections.deque()  # (lsn, index key, value|None, block key|None)
-        self._pending: dict[bytes, tuple[int, iv.BlockEntry | None]] = {}
+        # (lsn, index key, value|None, block key|None), or for a put_rows batch
+        # (its last lsn, None, (index keys, values, block keys, lsns), BATCH)
+        self._queue: collections.deque = collections.deque()
+        self._pending: dict[bytes, tuple[int, bytes | None]] = {}  # block key -> (lsn, encoded entry or None)
         self._listeners: tuple = ()  # called with the new durable lsn
+        self._batched = 0  # keys in queued put_rows batches, beyond one per batch
 
     def __len__(self) -> int:
-        return len(self._queue)
+        """Index updates queued (a put_rows batch counts its keys)."""
+        return len(self._queue) + self._batched
 
     # -- queueing (caller holds writer.lock)
 
@@ -66,8 +75,22 @@ class IndexQueue:
         """(block key, BlockEntry) of appended PUT records, in lsn order."""
         queue, pending, prefix, encode = self._queue, self._pending, iv.BLOCK_PREFIX, iv.encode_entry
         for key, e in entries:
-            queue.append((e.lsn, prefix + key, encode(e), key))
-            pending[key] = (e.lsn, e)
+            value = encode(e)
+            queue.append((e.lsn, prefix + key, value, key))
+            pending[key] = (e.lsn, value)
+
+    def put_rows(self, keys: list[bytes], first_lsn: int, values: list[bytes]) -> None:
+        """Appended PUT records of consecutive lsns from ``first_lsn``, their encoded entries
+        (kvdb/format/index_value.py ``encode_entries``): one queue item, no Python step per key
+        but the index key's bytes."""
+        if not keys:
+            return
+        lsns = range(first_lsn, first_lsn + len(keys))
+        prefix = iv.BLOCK_PREFIX
+        ikeys = [prefix + k for k in keys]
+        self._queue.append((lsns[-1], None, (ikeys, values, keys, lsns), BATCH))
+        self._batched += len(keys) - 1
+        self._pending.update(zip(keys, zip(lsns, values)))
 
     def delete(self, lsn: int, keys: list[bytes]) -> None:
         """The keys of an appended DELETE record."""
@@ -81,7 +104,13 @@ class IndexQueue:
 
     def queued_index_keys(self) -> set[bytes]:
         """Index keys with an update still queued (caller holds ``lock`` and writer.lock)."""
-        return {ikey for _lsn, ikey, _v, _k in self._queue}
+        out: set[bytes] = set()
+        for _lsn, ikey, v, k in self._queue:
+            if k is BATCH:
+                out.update(v[0])
+            else:
+                out.add(ikey)
+        return out
 
     # -- reading
 
@@ -91,10 +120,11 @@ class IndexQueue:
         out: list = [None] * len(keys)
         missing = []
         pending = self._pending
+        decode = iv.decode_entry
         for i, k in enumerate(keys):
             p = pending.get(k)
             if p is not None:
-                out[i] = p[1]
+                out[i] = None if p[1] is None else decode(p[1])
             elif is_live(k):
                 missing.append(i)
         if missing:
@@ -110,9 +140,16 @@ class IndexQueue:
         the listeners. An index write error fails the log (C5)."""
         with self.lock:
             ops, done = [], []
+            unbatched = 0
             q = self._queue
             while q and q[0][0] <= lsn:
                 op_lsn, ikey, value, key = q.popleft()
+                if key is BATCH:
+                    ikeys, values, keys, lsns = value
+                    ops.extend(zip(ikeys, values))
+                    done.extend(zip(keys, lsns))
+                    unbatched += len(keys) - 1
+                    continue
                 ops.append((ikey, value))
                 if key is not None:
                     done.append((key, op_lsn))
@@ -122,6 +159,7 @@ class IndexQueue:
                 self.writer.fail(e)
                 raise
             with self.writer.lock:
+                self._batched -= unbatched  # put_rows adds under writer.lock too
                 for key, op_lsn in done:
                     p = self._pending.get(key)
                     if p is not None and p[0] == op_lsn:

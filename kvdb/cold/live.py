@@ -19,6 +19,7 @@ checkpoint finds a segment wholly dead or compaction copies the live rest out (`
 from __future__ import annotations
 
 import collections
+from itertools import repeat
 
 from kvdb.format.record import SEGMENT_HEADER_BYTES
 
@@ -75,6 +76,19 @@ class LiveSet:
             self._live[key] = (lsn, record_bytes, segment_no)
             self._seg_live[segment_no] += record_bytes
             self.bytes += record_bytes
+
+    def set_run(self, keys: list[bytes], first_lsn: int, record_bytes: int, segment_no: int) -> None:
+        """``set`` of blocks written back to back in one segment, lsns from ``first_lsn``, each
+        record ``record_bytes`` long: the same state, with a Python step only per key that was
+        already live."""
+        live = self._live
+        for key in [k for k in keys if k in live] if any(map(live.__contains__, keys)) else ():
+            _lsn, rb, seg = live.pop(key)
+            self._seg_live[seg] -= rb
+            self.bytes -= rb
+        live.update(zip(keys, zip(range(first_lsn, first_lsn + len(keys)), repeat(record_bytes), repeat(segment_no))))
+        self._seg_live[segment_no] += record_bytes * len(keys)
+        self.bytes += record_bytes * len(keys)
 
     def dead_segments(self, segments: list[int], before: int) -> list[int]:
         """Listed segments below ``before`` that hold no live block."""

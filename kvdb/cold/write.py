@@ -11,11 +11,20 @@ order.
 Under ``disk_bytes`` a put batch is planned first (``LiveSet.plan_evictions``): the oldest live
 blocks are evicted by a DELETE record appended in the same writev, ahead of the puts.
 
+Raw, unsealed pages (the default) take the batch path: ``encode`` builds every record's 53
+leading bytes at once with numpy (kvdb/format/record.py ``put_rows``; pages under
+``INLINE_PAGE_BYTES`` copied in behind them, so a batch is one buffer), the writer fills lsns
+and crcs and writes each segment's share with one writev (kvdb/wal/writer.py ``append_rows``),
+and the bookkeeping goes in bulk: the index entries encoded at once, one queue item, the live
+set updated by run (``PutRows``). Codecs and sealing keep one Python step per page.
+
 ``append_batches`` is the commit queue's hook (kvdb/wal/commit.py): it appends every batch the
 queue's leader gathered, with one writev when no eviction is planned.
 """
 
 from __future__ import annotations
+
+import numpy as np
 
 from kvdb.cold.codec import aad, encode_page
 from kvdb.format import index_value as iv
@@ -25,11 +34,44 @@ from kvdb.format.record import (
     PUT_FIXED,
     RECORD_HEADER_BYTES,
     RecordType,
+    Codec,
     buffer_bytes,
     encode_delete,
     encode_meta,
     encode_put_fixed,
+    put_rows,
 )
+
+#: pages below this many bytes are copied behind their record heads, so a batch is one buffer
+#: and one crc call per record; larger ones are written from the caller's rows (a head and a
+#: page per record in the writev), where a copy would cost more than the iovecs
+INLINE_PAGE_BYTES = 16384
+
+
+class PutRows:
+    """A put batch of raw, unsealed pages, encoded at once (``LogAppender.encode``)."""
+
+    __slots__ = ("keys", "rows", "payloads", "positions", "namespace_id", "page_bytes")
+
+    def __init__(self, keys, rows, payloads, positions, namespace_id: int, page_bytes: int) -> None:
+        self.keys = keys  # list[bytes]
+        self.rows = rows  # uint8 [n, 53] or [n, 53 + page_bytes] (put_rows)
+        self.payloads = payloads  # uint8 [n, page_bytes] when not inside rows, else None
+        self.positions = positions  # int64 [n]
+        self.namespace_id = namespace_id
+        self.page_bytes = page_bytes
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    @property
+    def record_bytes(self) -> int:
+        return self.rows.shape[1] + (0 if self.payloads is None else self.payloads.shape[1])
+
+    def tail(self, start: int) -> "PutRows":
+        """The batch from its ``start``-th block on."""
+        return PutRows(self.keys[start:], self.rows[start:], None if self.payloads is None else self.payloads[start:],
+                       self.positions[start:], self.namespace_id, self.page_bytes)
 
 
 class LogAppender:
@@ -39,10 +81,20 @@ class LogAppender:
         self.store = store
         self.counters = counters
 
-    def encode(self, keys: list[bytes], pages, positions, namespace_id: int) -> list:
-        """(key, fixed PUT fields, payload) per page, sealed when the store is encrypted."""
+    def encode(self, keys: list[bytes], pages, positions, namespace_id: int):
+        """(key, fixed PUT fields, payload) per page, sealed when the store is encrypted; a
+        ``PutRows`` for raw, unsealed pages (uint8 [n, page_bytes])."""
         st = self.store
         codec, itemsize, page_bytes, sealer = st.codec, st.itemsize, st.page_bytes, st.sealer
+        if codec == Codec.RAW and sealer is None:
+            if positions is None:
+                pos = np.full(len(keys), NO_POSITION, dtype=np.int64)
+            else:
+                pos = np.array([NO_POSITION if p is None else int(p) for p in positions], dtype=np.int64)
+            inline = page_bytes < INLINE_PAGE_BYTES
+            rows = put_rows(b"".join(keys), pos, namespace_id, Codec.RAW, 0, page_bytes,
+                            pages if inline else None, page_bytes)
+            return PutRows(keys, rows, None if inline else pages, pos, namespace_id, page_bytes)
         items = []
         for i, key in enumerate(keys):
             pos = NO_POSITION if positions is None or positions[i] is None else int(positions[i])
@@ -61,6 +113,8 @@ class LogAppender:
         w = st.writer
         with w.lock:
             st.check()
+            if isinstance(items, PutRows):
+                return self._append_rows(items)
             evict: list[bytes] = []
             if st.disk_bytes is not None:
                 sizes = [RECORD_HEADER_BYTES + len(f) + buffer_bytes(p) for _k, f, p in items]
@@ -86,7 +140,7 @@ class LogAppender:
         st = self.store
         w = st.writer
         with w.lock:
-            if st.disk_bytes is not None or len(batches) == 1:
+            if st.disk_bytes is not None or len(batches) == 1 or any(isinstance(b, PutRows) for b in batches):
                 for items in batches:
                     last = self.append_puts(items)
                 return last
@@ -95,6 +149,39 @@ class LogAppender:
             locs = w.append([(RecordType.PUT_BLOCK, [fixed, payload]) for _k, fixed, payload in items])
             self._note_puts(items, locs)
             return w.next_lsn - 1
+
+    def _append_rows(self, batch: PutRows) -> int:
+        """``append_puts`` of a PutRows batch (caller holds writer.lock): eviction planned the
+        same way, the DELETE its own record ahead of the batch's writev."""
+        st = self.store
+        w = st.writer
+        rbytes = batch.record_bytes
+        if st.disk_bytes is not None:
+            dropped, evict = st.live.plan_evictions([rbytes] * len(batch), batch.keys, st.disk_bytes)
+            if dropped:
+                self.counters["evictions"] += dropped
+                batch = batch.tail(dropped)
+            if evict:
+                (loc,) = w.append([(RecordType.DELETE, [encode_delete(evict)])])  # an I/O error fails the writer (C5)
+                self.note_delete(loc.lsn, evict)
+                st.ckpt.log_bytes += loc.record_bytes
+                self.counters["evictions"] += len(evict)
+        if not len(batch):
+            return w.next_lsn - 1
+        runs, crcs = w.append_rows(batch.rows, batch.payloads)  # an I/O error fails the writer (C5)
+        segs = np.concatenate([np.full(c, s, dtype=np.uint32) for s, _o, _l, c in runs])
+        offs = np.concatenate([o + rbytes * np.arange(c, dtype=np.uint64) for _s, o, _l, c in runs])
+        first = runs[0][2]
+        values = iv.encode_entries(segs, offs, rbytes, crcs, np.arange(first, first + len(batch), dtype=np.uint64),
+                                   batch.positions, batch.namespace_id, Codec.RAW, 0, batch.page_bytes)
+        st.queue.put_rows(batch.keys, first, values)
+        at = 0
+        for s, _o, lsn, c in runs:
+            st.live.set_run(batch.keys[at : at + c], lsn, rbytes, s)
+            at += c
+        st.ckpt.log_bytes += rbytes * len(batch)
+        self.counters["puts"] += len(batch)
+        return w.next_lsn - 1
 
     def _note_puts(self, items: list, locs: list) -> None:
         """Caller holds writer.lock: queue the index updates of appended puts, publish them."""

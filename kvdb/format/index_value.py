@@ -49,6 +49,8 @@ import json
 import struct
 from dataclasses import dataclass
 
+import numpy as np
+
 from kvdb.errors import CorruptionError
 
 BLOCK_PREFIX = b"B"
@@ -86,6 +88,32 @@ def block_key(key: bytes) -> bytes:
 def encode_entry(e: BlockEntry) -> bytes:
     return _ENTRY.pack(e.segment_no, e.offset, e.record_bytes, e.crc, e.lsn, e.position,
                        e.namespace_id, e.codec, e.flags, 0, e.raw_bytes)
+
+
+#: BlockEntry's 48 bytes as a numpy record (``encode_entries``: a batch at once)
+ENTRY_DTYPE = np.dtype([("segment_no", "<u4"), ("offset", "<u8"), ("record_bytes", "<u4"), ("crc", "<u4"),
+                        ("lsn", "<u8"), ("position", "<i8"), ("namespace_id", "<u4"), ("codec", "u1"),
+                        ("flags", "u1"), ("reserved", "<u2"), ("raw_bytes", "<u4")])
+
+
+def encode_entries(segment_nos, offsets, record_bytes: int, crcs, lsns, positions, namespace_id: int, codec: int,
+                   flags: int, raw_bytes: int) -> list[bytes]:
+    """``encode_entry`` of a batch of records of one size, codec and namespace (numpy arrays or
+    scalars per field); one bytes object per record."""
+    e = np.empty(len(crcs), dtype=ENTRY_DTYPE)
+    e["segment_no"] = segment_nos
+    e["offset"] = offsets
+    e["record_bytes"] = record_bytes
+    e["crc"] = crcs
+    e["lsn"] = lsns
+    e["position"] = positions
+    e["namespace_id"] = namespace_id
+    e["codec"] = codec
+    e["flags"] = flags
+    e["reserved"] = 0
+    e["raw_bytes"] = raw_bytes
+    raw = e.tobytes()
+    return [raw[i : i + ENTRY_BYTES] for i in range(0, len(raw), ENTRY_BYTES)]
 
 
 def decode_entry(buf: bytes) -> BlockEntry:
