@@ -101,9 +101,10 @@ def check_space_amp(value) -> float | None:
     return float(value)
 
 
-def _check_durability(durability: str) -> None:
+def _check_durability(durability: str) -> str:
     if durability not in DURABILITIES:
         raise InvalidInput(f"durability must be one of {DURABILITIES}, got {durability!r}")
+    return durability
 
 
 def _metadata_type(kind: str) -> int:
@@ -326,20 +327,20 @@ class ColdStore:
 
     @staticmethod
     def _validate_keys(keys) -> list[bytes]:
-        out = []
+        keys = list(keys)
+        if set(map(type, keys)) <= {bytes} and set(map(len, keys)) <= {KEY_BYTES}:
+            return keys  # all 16-byte bytes already: no Python step per key
         for k in keys:
             if not isinstance(k, (bytes, bytearray)) or len(k) != KEY_BYTES:
                 raise InvalidInput(f"block keys must be {KEY_BYTES} bytes, got {k!r:.60}")
-            out.append(bytes(k))
-        return out
+        return [bytes(k) for k in keys]
 
     def put(self, keys, pages: np.ndarray, positions=None, durability: str | None = None,
             namespace_id: int = 0) -> None:
         """Store pages (uint8 [n, page_bytes], C-contiguous, CPU) under keys; returns when they
         are as durable as ``durability`` asks ("none" | "group" | "sync")."""
         self.check_writable()
-        durability = durability or self.default_durability
-        _check_durability(durability)
+        durability = _check_durability(durability or self.default_durability)
         keys = self._validate_keys(keys)
         if not isinstance(pages, np.ndarray) or pages.dtype != np.uint8 or pages.ndim != 2 \
                 or pages.shape[1] != self.page_bytes or not pages.flags.c_contiguous:
@@ -372,8 +373,7 @@ class ColdStore:
     def delete(self, keys, durability: str | None = None) -> int:
         """Delete blocks (absent keys are ignored); returns how many were live."""
         self.check_writable()
-        durability = durability or self.default_durability
-        _check_durability(durability)
+        durability = _check_durability(durability or self.default_durability)
         lsn, n = self.appender.append_delete(self._validate_keys(keys))
         if n:
             self._make_durable(lsn, durability)
@@ -420,8 +420,8 @@ class ColdStore:
 
     def contains(self, keys) -> list[bool]:
         self.check()
-        has = self.live.has
-        return [has(bytes(k)) for k in keys]
+        has, keys = self.live.has, list(keys)
+        return list(map(has, keys)) if set(map(type, keys)) <= {bytes} else [has(bytes(k)) for k in keys]
 
     def lookup(self, keys: list[bytes]) -> list[iv.BlockEntry | None]:
         """Index entries of ``keys`` (queued ones first), None for a key not live."""

@@ -87,18 +87,20 @@ class WriteMixin:
         pool = self.pool
         with self._lock:
             self._check()
-            seen: set[bytes] = set()
-            fresh: list[int] = []  # not in memory
+            fresh: list[int] = pool.absent_rows(keys)  # not in memory
             persist: list[int] = []  # in memory, not yet on disk, and the caller asks for disk
-            absent = set(pool.absent_rows(keys))
-            for i, k in enumerate(keys):
-                if k in seen:
-                    continue
-                seen.add(k)
-                if i in absent:
-                    fresh.append(i)
-                elif durability != "none" and pool.is_dirty(k):
-                    persist.append(i)
+            if len(fresh) != len(keys) or len(set(keys)) != len(keys):  # else: all new, no repeats
+                seen: set[bytes] = set()
+                absent = set(fresh)
+                fresh = []
+                for i, k in enumerate(keys):
+                    if k in seen:
+                        continue
+                    seen.add(k)
+                    if i in absent:
+                        fresh.append(i)
+                    elif durability != "none" and pool.is_dirty(k):
+                        persist.append(i)
         on_disk = [False] * len(fresh)
         if self._cold is not None and fresh:
             on_disk = self._cold_call(self._cold.contains, [keys[i] for i in fresh])
