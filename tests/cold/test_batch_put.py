@@ -5,14 +5,19 @@ reopen; pages inline behind their heads and pages written from the caller's rows
 
 from __future__ import annotations
 
+import errno
+
 import numpy as np
 import pytest
 
 import kvdb.cold.write as cold_write
+import kvdb.wal.writer as wal_writer
 from kvdb.cold import ColdStore
 from kvdb.format.record import NO_POSITION, Codec, encode_put_fixed
 
 from cold_fixtures import TINY, key, pages_for
+import test_crash
+import test_faults
 
 STORE_ID = bytes(range(16))
 
@@ -60,13 +65,17 @@ def _run(path, batched: bool, disk_bytes=None):
     return segs, state, reopened
 
 
+@pytest.mark.parametrize("write_bytes", [None, 600], ids=["one-write", "pipelined"])
 @pytest.mark.parametrize("inline", [True, False], ids=["inline", "iovec"])
 @pytest.mark.parametrize("disk_bytes", [None, 5000], ids=["unbounded", "evicting"])
-def test_batch_path_writes_what_the_record_path_writes(tmp_path, monkeypatch, inline, disk_bytes):
+def test_batch_path_writes_what_the_record_path_writes(tmp_path, monkeypatch, inline, disk_bytes, write_bytes):
     # Scenario: the same puts (overwrites, positions and none, 2 KiB segments so that batches
     # rotate in their middle; under disk_bytes also evictions and a batch larger than the
     # bound) go through the batch path and record by record. Segment files are equal byte for
     # byte, and so are the index entries (queued and applied), reads, live bytes and reopen.
+    # "pipelined": writes of ~3 records, sealed while the one before is written.
+    if write_bytes is not None:
+        monkeypatch.setattr(wal_writer, "ROWS_WRITE_BYTES", write_bytes)
     if not inline:
         monkeypatch.setattr(cold_write, "INLINE_PAGE_BYTES", 0)
     batch = _run(tmp_path / "batch", True, disk_bytes)
@@ -93,3 +102,19 @@ def test_queue_counts_the_keys_of_a_batch_and_applies_it_whole(tmp_path):
     assert len(store.queue) == 0
     assert [e is not None for e in store.index.get_entries(keys)] == [True] * 50
     store.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("inline", [True, False], ids=["inline", "iovec"])
+def test_crash_and_io_errors_in_pipelined_writes(tmp_path, monkeypatch, inline):
+    # Scenario: tests/cold/test_crash.py's crash at every I/O point and test_faults.py's EIO at
+    # every other point, with every batch written one record per write by the writer's I/O
+    # thread: the same guarantees (a prefix of an unacknowledged batch, typed sticky errors,
+    # nothing acknowledged lost, verify clean).
+    monkeypatch.setattr(wal_writer, "ROWS_WRITE_BYTES", 1)
+    if not inline:
+        monkeypatch.setattr(cold_write, "INLINE_PAGE_BYTES", 0)
+    (tmp_path / "crash").mkdir()
+    (tmp_path / "eio").mkdir()
+    test_crash.test_crash_at_every_io_point(tmp_path / "crash")
+    test_faults.test_io_error_at_every_point_is_typed_sticky_and_loses_nothing(tmp_path / "eio", errno.EIO)
