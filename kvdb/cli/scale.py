@@ -1,5 +1,5 @@
-"""``kvdb bench scale``: the disk tier's reads against plain file I/O of the same bytes
-(kvdb/bench/scale.py; issue 12 item 5, the read figures)."""
+"""``kvdb bench scale``: the disk tier's reads, ingest and open against plain file I/O of the
+same bytes and a plain RocksDB open (kvdb/bench/scale.py, kvdb/bench/ingest.py; issue 12 item 5)."""
 
 from __future__ import annotations
 
@@ -15,14 +15,20 @@ from kvdb.cli.output import emit, json_option, progress
 @click.option("--batch-pages", type=click.IntRange(min=1), default=256, show_default=True, help="pages per get_blocks call (batch reads)")
 @click.option("--get1-blocks", type=click.IntRange(min=1), default=256, show_default=True, help="one-block reads timed per repeat")
 @click.option("--repeats", type=click.IntRange(min=1), default=3, show_default=True, help="runs per phase; figures are their medians")
+@click.option("--ingest-mib", type=click.IntRange(min=0), default=128, show_default=True,
+              help="bytes of 4 KiB and of 64 KiB pages ingested per run (0: no ingest figures)")
+@click.option("--open-blocks", type=click.IntRange(min=0), default=10_000, show_default=True,
+              help="4 KiB blocks in the store whose open is timed (0: no open figures)")
 @json_option
-def bench_scale_cmd(dir_path, total_mib, batch_pages, get1_blocks, repeats, as_json) -> None:
-    """Disk-tier reads (batched and one block per call, cold) vs preadv / one file per block."""
+def bench_scale_cmd(dir_path, total_mib, batch_pages, get1_blocks, repeats, ingest_mib, open_blocks, as_json) -> None:
+    """Disk-tier reads (batched and one block per call, cold) vs preadv / one file per block;
+    ingest of 4 KiB and 64 KiB pages vs sequential writes; open vs a RocksDB open."""
     from kvdb.bench.scale import bench_scale
 
-    with progress(2 * repeats, "bench scale", enabled=not as_json) as advance:
+    with progress(2 * repeats * (2 if ingest_mib else 1), "bench scale", enabled=not as_json) as advance:
         res = bench_scale(total_mib=total_mib, batch_pages=batch_pages, get1_blocks=get1_blocks, repeats=repeats,
-                          dir_path=dir_path, progress=lambda done, total: advance())
+                          ingest_mib=ingest_mib, open_blocks=open_blocks, dir_path=dir_path,
+                          progress=lambda done, total: advance())
     emit(res, as_json)
 
 

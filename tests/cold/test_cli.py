@@ -79,3 +79,19 @@ def test_bench_cold_json_reports_every_figure(tmp_path):
     assert res["bytes"] == 8 << 20 and res["repeats"] == 2 and len(res["read_vs_raw_runs"]) == 2
     assert res["recovery_ok"] is True
     assert list(tmp_path.iterdir()) == []  # scratch files removed
+
+
+def test_bench_scale_json_reports_ingest_and_open_figures_next_to_their_baselines(tmp_path):
+    # issue 12 item 5: each figure with its same-run baseline (no timing asserted)
+    r = run("bench", "scale", "--json", "--dir", str(tmp_path), "--total-mib", "1", "--batch-pages", "8",
+            "--get1-blocks", "2", "--repeats", "1", "--ingest-mib", "1", "--open-blocks", "100")
+    assert r.exit_code == 0, r.output
+    res = json.loads(r.stdout)
+    for size in ("4k", "64k"):
+        ing = res[f"ingest_{size}"]
+        for k in ("ingest_gbps", "raw_write_gbps", "ingest_vs_raw", "ingest_us_per_block", "raw_write_us_per_block",
+                  "ingest_cpu_beyond_raw_us"):
+            assert k in ing, k
+        assert ing["blocks"] * ing["page_bytes"] >= 1 << 20
+    assert {"open_10k_s", "rocksdb_open_10k_s", "read_gbps", "raw_read_gbps", "ingest_goals"} <= set(res)
+    assert list(tmp_path.iterdir()) == []  # scratch files removed

@@ -1,0 +1,172 @@
+"""``kvdb bench scale``'s ingest and open figures (issue 12 items 2 and 5), each against a
+baseline from the same run.
+
+* ``ingest_gbps``           ``Db.put_blocks(tier="disk", durability="none")`` of fresh keys in
+                            batches of ``batch_mib``, then one ``Db.flush`` (fsync, index applied),
+                            into a new store;
+* ``raw_write_gbps``        the baseline: the same page bytes appended to a new file with one
+                            ``write`` per batch, then one ``fdatasync``; the same durability as
+                            ``none``: meanwhile a thread fdatasyncs every 50 ms, as the store's
+                            flusher does;
+* ``ingest_us_per_block``   process CPU time (every thread: the flusher's too) per block of the
+                            ingest; ``raw_write_us_per_block`` the same for the baseline, and
+                            ``ingest_cpu_beyond_raw_us`` their difference: the store's CPU per
+                            block beyond writing the bytes (goal <= 5 us);
+* ``open_10k_s``            ``kvdb.open`` of a closed store of 10,000 4 KiB blocks (in this
+                            process, import excluded), against ``rocksdb_open_10k_s``: rocksdict
+                            opening that store's index, no scan.
+
+Phases alternate which side goes first; figures are medians of ``repeats``. Goals printed with
+them: ingest >= 0.8 x raw at 4 KiB and >= 0.9 x at 64 KiB.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import statistics
+import threading
+import time
+
+import numpy as np
+import rocksdict
+import torch
+
+import kvdb
+from kvdb.format.layout import BlockLayout
+
+#: 4 KiB pages (bf16: 2 layers x k/v x 8 tokens x 1 head x 64) and 64 KiB pages (kvdb/bench/scale.py's)
+PAGE4K = BlockLayout(num_layers=2, num_kv_heads=1, head_dim=64, block_tokens=8)
+PAGE64K = BlockLayout(num_layers=4, num_kv_heads=2, head_dim=128, block_tokens=16)
+INGEST_GOALS = {4096: 0.8, 65536: 0.9}
+#: how often the store's flusher fsyncs ``none`` writes (kvdb/cold/store.py's default), and so the baseline
+FLUSH_INTERVAL_S = 0.05
+
+
+def _keys(n: int, tag: int) -> list[bytes]:
+    return [tag.to_bytes(4, "little") + i.to_bytes(12, "little") for i in range(n)]
+
+
+def _store_side(path: str, lay: BlockLayout, keys: list[bytes], blocks: torch.Tensor) -> tuple[float, float]:
+    """(wall s, CPU s) of the ingest into a new store at ``path``."""
+    batch = blocks.shape[0]
+    with kvdb.open(path, layout=lay, model_id="bench-ingest", host_bytes=16 * lay.page_bytes) as db:
+        t0, c0 = time.perf_counter(), time.process_time()
+        for b in range(0, len(keys), batch):
+            db.put_blocks(keys[b : b + batch], blocks, tier="disk", durability="none")
+        db.flush()
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+        assert db.stats()["tiers"]["disk"]["pages"] == len(keys)
+    return wall, cpu
+
+
+def _raw_side(path: str, src: np.ndarray, batches: int, sync_every_s: float) -> tuple[float, float]:
+    """(wall s, CPU s) of appending ``src`` ``batches`` times to a new file, a thread calling
+    fdatasync every ``sync_every_s`` meanwhile (as the store's flusher does for ``none`` writes),
+    then one fdatasync."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o644)
+    stop = threading.Event()
+
+    def flusher() -> None:
+        while not stop.wait(sync_every_s):
+            os.fdatasync(fd)
+
+    th = threading.Thread(target=flusher, daemon=True)
+    try:
+        t0, c0 = time.perf_counter(), time.process_time()
+        th.start()
+        for _ in range(batches):
+            mv = memoryview(src).cast("B")
+            while mv.nbytes:
+                mv = mv[os.write(fd, mv):]
+        stop.set()
+        th.join()
+        os.fdatasync(fd)
+        return time.perf_counter() - t0, time.process_time() - c0
+    finally:
+        stop.set()
+        if th.is_alive():
+            th.join()
+        os.close(fd)
+
+
+def bench_ingest(root: str, *, ingest_mib: int = 128, batch_mib: int = 32, repeats: int = 3, tick=None) -> dict:
+    """The ingest figures for 4 KiB and 64 KiB pages, scratch files under ``root``."""
+    out: dict = {}
+    met = True
+    for lay in (PAGE4K, PAGE64K):
+        page = lay.page_bytes
+        batch = max(1, (min(batch_mib, ingest_mib) << 20) // page)
+        n = max(batch, (ingest_mib << 20) // page // batch * batch)
+        g = torch.Generator().manual_seed(page)
+        blocks = torch.randint(-(1 << 15), 1 << 15, (batch, *lay.block_shape), dtype=torch.int16, generator=g).view(lay.dtype)
+        src = blocks.view(torch.uint8).reshape(batch, page).numpy()
+        keys = _keys(n, 2)
+        store, raw = [], []
+        for r in range(repeats):
+            for side in ((0, 1) if r % 2 == 0 else (1, 0)):
+                path = os.path.join(root, f"ingest-{page}-{r}-{side}")
+                try:
+                    if side == 0:
+                        raw.append(_raw_side(path, src, n // batch, FLUSH_INTERVAL_S))
+                    else:
+                        store.append(_store_side(path, lay, keys, blocks))
+                finally:
+                    if os.path.isdir(path):
+                        shutil.rmtree(path, ignore_errors=True)
+                    elif os.path.exists(path):
+                        os.remove(path)
+            if tick is not None:
+                tick()
+        gb = n * page / 1e9
+        ingest = gb / statistics.median(w for w, _c in store)
+        raw_gbps = gb / statistics.median(w for w, _c in raw)
+        us = statistics.median(c for _w, c in store) / n * 1e6
+        raw_us = statistics.median(c for _w, c in raw) / n * 1e6
+        kib = f"{page >> 10}k"
+        out[f"ingest_{kib}"] = {
+            "page_bytes": page, "blocks": n, "batch_pages": batch,
+            "ingest_gbps": round(ingest, 3), "raw_write_gbps": round(raw_gbps, 3),
+            "ingest_vs_raw": round(ingest / raw_gbps, 3),
+            "ingest_gbps_runs": [round(gb / w, 3) for w, _c in store],
+            "raw_write_gbps_runs": [round(gb / w, 3) for w, _c in raw],
+            "ingest_us_per_block": round(us, 2), "raw_write_us_per_block": round(raw_us, 2),
+            "ingest_cpu_beyond_raw_us": round(us - raw_us, 2),
+        }
+        met = met and ingest >= INGEST_GOALS[page] * raw_gbps and us - raw_us <= 5.0
+    out["ingest_goals"] = {"ingest_vs_raw_min_4k": INGEST_GOALS[4096], "ingest_vs_raw_min_64k": INGEST_GOALS[65536],
+                           "ingest_cpu_beyond_raw_us_max": 5.0, "met": bool(met)}
+    return out
+
+
+def bench_open(root: str, *, blocks: int = 10_000, repeats: int = 3) -> dict:
+    """``kvdb.open`` of a closed store of ``blocks`` 4 KiB blocks vs rocksdict opening its index."""
+    lay = PAGE4K
+    path = os.path.join(root, "open-store")
+    keys = _keys(blocks, 3)
+    pages = torch.zeros((min(blocks, 8192), *lay.block_shape), dtype=lay.dtype)
+    try:
+        with kvdb.open(path, layout=lay, model_id="bench-open", host_bytes=16 * lay.page_bytes) as db:
+            for b in range(0, blocks, pages.shape[0]):
+                chunk = keys[b : b + pages.shape[0]]
+                db.put_blocks(chunk, pages[: len(chunk)], tier="disk", durability="none")
+        kv_s, rocks_s = [], []
+        for r in range(repeats):
+            for side in ((0, 1) if r % 2 == 0 else (1, 0)):
+                t0 = time.perf_counter()
+                if side == 0:
+                    db = kvdb.open(path, layout=lay, model_id="bench-open", host_bytes=16 * lay.page_bytes)
+                    kv_s.append(time.perf_counter() - t0)
+                    db.close()
+                else:
+                    rd = rocksdict.Rdict(os.path.join(path, "index"), rocksdict.Options(raw_mode=True))
+                    rocks_s.append(time.perf_counter() - t0)
+                    rd.close()
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+    kv, rocks = statistics.median(kv_s), statistics.median(rocks_s)
+    return {"open_blocks": blocks, "open_10k_s": round(kv, 4), "rocksdb_open_10k_s": round(rocks, 4),
+            "open_vs_rocksdb": round(kv / rocks, 2)}
+
+
+__all__ = ["PAGE4K", "PAGE64K", "bench_ingest", "bench_open"]
