@@ -77,33 +77,44 @@ def crc32c(data, value: int = 0) -> int:
     return _lib.kvdb_crc32c(value, buf, n)
 
 
-def py_crc32c_rows(rows: np.ndarray, start: int, nbytes: int, init=None) -> np.ndarray:
+def py_crc32c_rows(rows: np.ndarray, start: int, nbytes: int, init=None, then: np.ndarray | None = None) -> np.ndarray:
     """CRC-32C of ``rows[i, start:start + nbytes]`` for every row i of a C-contiguous uint8
-    [n, width] array, continuing from ``init[i]`` (None: 0); uint32 [n]."""
+    [n, width] array, continuing from ``init[i]`` (None: 0), then over ``then[i]`` (a second
+    uint8 [n, m] array: a record's head and payload in two arrays); uint32 [n]."""
     out = np.zeros(rows.shape[0], dtype=np.uint32)
     for i in range(rows.shape[0]):
-        out[i] = py_crc32c(rows[i, start : start + nbytes], 0 if init is None else int(init[i]))
+        c = py_crc32c(rows[i, start : start + nbytes], 0 if init is None else int(init[i]))
+        out[i] = c if then is None else py_crc32c(then[i], c)
     return out
 
 
-def crc32c_rows(rows: np.ndarray, start: int, nbytes: int, init=None) -> np.ndarray:
-    """``py_crc32c_rows`` with one native call per row and no Python object per row (a batch of
-    records' checksums: kvdb/format/record.py ``seal_rows``)."""
-    if rows.ndim != 2 or rows.dtype != np.uint8 or not rows.flags.c_contiguous:
-        raise InvalidInput("crc32c_rows needs a C-contiguous uint8 [n, width] array")
+def crc32c_rows(rows: np.ndarray, start: int, nbytes: int, init=None, then: np.ndarray | None = None) -> np.ndarray:
+    """``py_crc32c_rows`` with one native call per row (two with ``then``) and no Python object
+    per row (a batch of records' checksums: kvdb/format/record.py ``seal_rows``)."""
+    for a in (rows, then):
+        if a is not None and (a.ndim != 2 or a.dtype != np.uint8 or not a.flags.c_contiguous):
+            raise InvalidInput("crc32c_rows needs C-contiguous uint8 [n, width] arrays")
     n, width = rows.shape
     if start < 0 or nbytes < 0 or start + nbytes > width:
         raise InvalidInput(f"crc32c_rows: bytes {start}..{start + nbytes} outside rows of {width}")
+    if then is not None and then.shape[0] != n:
+        raise InvalidInput(f"crc32c_rows: {then.shape[0]} rows to continue over for {n} rows")
     if _lib is None:
-        return py_crc32c_rows(rows, start, nbytes, init)
+        return py_crc32c_rows(rows, start, nbytes, init, then)
     seeds = [0] * n if init is None else np.asarray(init, dtype=np.uint32).tolist()
+    f = _lib.kvdb_crc32c
     if nbytes >= FAST_CRC_MIN_BYTES and _fast_crc is not None:
         out = [_fast_crc(row, s) for row, s in zip(rows[:, start : start + nbytes], seeds)]
     else:
         base = _ffi.cast("uint8_t *", _ffi.from_buffer(rows)) + start
-        f = _lib.kvdb_crc32c
         out = [f(s, base + i * width, nbytes) for i, s in enumerate(seeds)]
-    return np.array(out, dtype=np.uint32)
+    if then is None:
+        return np.array(out, dtype=np.uint32)
+    m = then.shape[1]
+    if m >= FAST_CRC_MIN_BYTES and _fast_crc is not None:
+        return np.array([_fast_crc(row, c) for row, c in zip(then, out)], dtype=np.uint32)
+    tb = _ffi.cast("uint8_t *", _ffi.from_buffer(then))
+    return np.array([f(c, tb + i * m, m) for i, c in enumerate(out)], dtype=np.uint32)
 
 
 # ---------------------------------------------------------------- hash chains

@@ -78,6 +78,10 @@ def test_crc32c_rows_matches_python_row_by_row(width, start, nbytes):
         assert got.dtype == np.uint32 and got.tolist() == want.tolist()
         assert got.tolist() == [native.crc32c(rows[i, start : start + nbytes], 0 if seeds is None else int(seeds[i]))
                                 for i in range(6)]
+    then = np.random.default_rng(1).integers(0, 256, (6, width), dtype=np.uint8)  # a head, then its payload
+    got = native.crc32c_rows(rows, start, nbytes, then=then)
+    assert got.tolist() == native.py_crc32c_rows(rows, start, nbytes, then=then).tolist()
+    assert got.tolist() == [native.crc32c(then[i], native.crc32c(rows[i, start : start + nbytes])) for i in range(6)]
     with pytest.raises(InvalidInput):
         native.crc32c_rows(rows, start, width + 1)
     with pytest.raises(InvalidInput):

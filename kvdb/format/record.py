@@ -264,9 +264,7 @@ def seal_rows(rows: np.ndarray, first_lsn: int, payloads: np.ndarray | None = No
     n = rows.shape[0]
     lsn = np.arange(first_lsn, first_lsn + n, dtype="<u8")
     rows[:, 9:17] = lsn.view(np.uint8).reshape(n, 8)
-    crcs = native.crc32c_rows(rows, 8, rows.shape[1] - 8)
-    if payloads is not None:
-        crcs = native.crc32c_rows(payloads, 0, payloads.shape[1], crcs)
+    crcs = native.crc32c_rows(rows, 8, rows.shape[1] - 8, then=payloads)
     rows[:, 4:8] = crcs.view(np.uint8).reshape(n, 4)
     return crcs
 
