@@ -12,19 +12,24 @@ on the whole workload; the real tier follows the best one.
 Candidates (``CANDIDATES``):
   ``gd``   the planner with GreedyDual values for unplanned blocks (the default: it starts here);
   ``crf``  the planner with decayed recency-frequency (LRFU's ordering) for unplanned blocks;
+  ``nowf`` the planner (GreedyDual) that does not plan from declared workflows, only from hints
+           and the gaps it learned: a workflow saying "this agent calls again" does not mean
+           its blocks are re-read (a chain broken by shared context inserted before the agent's
+           history), and where trusting the declarations costs hits this candidate wins;
   ``lru``  plain LRU -- the guard: when the samples say LRU does better, the tier evicts in
            LRU order, so a workload on which the planner's ideas are wrong costs about nothing
            compared with LRU.
 
 The real tier keeps one planner and one LRU list over the same frames (both see every access,
 pin and removal); ``evict`` asks the one the current mode names and tells the other. Switching
-between ``gd`` and ``crf`` re-keys the planner's heap (``PlannedReplacer.set_unplanned``).
+between ``gd`` and ``crf`` re-keys the planner's heap (``PlannedReplacer.set_unplanned``);
+to or from ``nowf`` turns its planning from workflows off or on (``set_workflows``).
 
 Decisions: every ``EPOCH`` sampled block accesses, each candidate's score (sampled hits,
 times DECAY after each decision: a memory of about ten epochs) is compared; the tier moves to the best one when
 it beats the current mode's by ``SWITCH_MARGIN`` of the current score plus ``SWITCH_Z``
 standard deviations of the difference (hit counts taken as Poisson: ``sqrt(a + b)``), so that
-sampling noise alone does not move it. A mini
+sampling noise alone does not move it, and not before ``WARMUP`` epochs. A mini
 cache counts hits as the replay does (kvdb/sim/replay.py S1), on the sample: the leading run of
 a call's sampled blocks that it holds.
 
@@ -48,11 +53,13 @@ from kvdb.buffer_pool.replacer import AccessContext, Replacer
 from kvdb.planner.policies.lru import LruReplacer
 from kvdb.planner.policies.planned import PlannedReplacer
 
-CANDIDATES = ("gd", "crf", "lru")
+CANDIDATES = ("gd", "crf", "nowf", "lru")
+_SETTINGS = {"gd": ("gd", True), "crf": ("crf", True), "nowf": ("gd", False)}  # unplanned ordering, workflows
 SAMPLE_RATE = 1.0 / 8
 MIN_MINI_BLOCKS = 64  # a small tier samples more, so that each mini cache holds at least this many
 EPOCH = 256  # sampled block accesses between decisions
 DECAY = 0.9  # each score's weight after a decision: a memory of ~10 epochs
+WARMUP = 4  # decisions start after this many epochs
 SWITCH_MARGIN = 0.02
 SWITCH_Z = 1.0  # ... and by this many standard deviations of the difference (hit counts as Poisson)
 _MIX = 0x9E3779B97F4A7C15
@@ -138,13 +145,15 @@ class AdaptiveReplacer(Replacer):
             if c == "lru":
                 r: Replacer = LruReplacer(mini_n)
             else:
-                r = PlannedReplacer(mini_n, unplanned=c, **opts)
+                unplanned, workflows = _SETTINGS[c]
+                r = PlannedReplacer(mini_n, unplanned=unplanned, workflows=workflows, **opts)
             self._minis[c] = _Mini(r)
         self._known = bytearray(num_frames)  # 0 unknown, 1 known and not sampled, 2 known and sampled
         self._resident = 0
         self._cap: int | None = None  # learned capacity of the tier (resident frames after evictions)
         self._evicted_since_access = False
         self._since = 0
+        self.epochs = 0
         self.switches = 0
 
     # -- the interface ------------------------------------------------------------------
@@ -175,11 +184,13 @@ class AdaptiveReplacer(Replacer):
 
     def _decide(self) -> None:
         self._since = 0
+        self.epochs += 1
         minis = self._minis
         cur = minis[self.mode].score if self.mode in minis else 0.0
         best = max(minis, key=lambda c: (minis[c].score, c == self.mode))
         diff = minis[best].score - cur
-        if best != self.mode and diff > SWITCH_MARGIN * cur + SWITCH_Z * math.sqrt(minis[best].score + cur):
+        if (best != self.mode and self.epochs >= WARMUP  # before that, too few samples to tell anything apart
+                and diff > SWITCH_MARGIN * cur + SWITCH_Z * math.sqrt(minis[best].score + cur)):
             self._switch(best)
         for m in minis.values():
             m.score *= DECAY
@@ -188,7 +199,9 @@ class AdaptiveReplacer(Replacer):
         self.mode = mode
         self.switches += 1
         if mode != "lru":
-            self.planner.set_unplanned(mode)
+            unplanned, workflows = _SETTINGS[mode]
+            self.planner.set_unplanned(unplanned)
+            self.planner.set_workflows(workflows)
 
     def on_event(self, event: Any) -> None:
         self.planner.on_event(event)

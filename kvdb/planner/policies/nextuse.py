@@ -40,6 +40,7 @@ from kvdb.planner.workflow import Workflow
 
 PLAN_SLACK_FACTOR = 3.0
 PLAN_SLACK_S = 2.0
+REPEAT_ALPHA = 0.02  # EWMA weight of one workflow call in repeat_rate
 LLM_CALL_S = 2.0  # default time from a node's CallFinished to its end (W5): the simulator
 # reports calls at their arrival; an engine that reports them when they finish passes 0
 TOOL_DEFAULT_S = 10.0  # a tool's duration before any has been observed
@@ -51,6 +52,17 @@ PREFER_ALPHA = 0.1  # EWMA weight of one comparison of an agent's free and fan-i
 Agent = tuple
 #: plans to apply, in order: (agent, its next call's estimated start; None releases its chain)
 Plans = list[tuple[Agent, "float | None"]]
+
+
+def hint_plan(hints: dict[str, Any], now: float) -> tuple[float, float] | None:
+    """(next use, deadline) that a call's own hints promise: a tool wait, else a ttl."""
+    d = hints.get("expected_tool_duration_s")
+    ttl = hints.get("ttl_s")
+    if d is not None:
+        return now + d, now + d * (1.0 + PLAN_SLACK_FACTOR) + PLAN_SLACK_S
+    if ttl is not None:
+        return now, now + ttl
+    return None
 
 
 def deadline(t: float, now: float) -> float:
@@ -71,6 +83,9 @@ class NextUseEstimator:
         if not llm_call_s >= 0:
             raise InvalidInput(f"llm_call_s must be a number >= 0, got {llm_call_s!r}")
         self.llm_s = float(llm_call_s)
+        self.use_workflows = True  # False: declared workflows are kept but not planned from (the guard's choice)
+        self._nodes_seen: dict[str, set[str]] = {}  # workflow session -> its nodes called so far
+        self.repeat_rate = 0.0  # EWMA: share of workflow calls whose node had been called before
         self._tool_s = TOOL_DEFAULT_S
         self._workflows: dict[str, Workflow] = {}
         self._sess_wait: dict[str, float] = {}  # no-workflow session -> when its last tool wait ends
@@ -88,18 +103,37 @@ class NextUseEstimator:
         if workflow is not None:
             self._workflows[session_id] = workflow
 
+    def agent_of(self, session_id: str | None, node_id: str | None, agent_id: str | None) -> str | None:
+        """The agent a call belongs to: its node's ``agent_id`` when the session's workflow
+        declares the node (a call may name its agent in another namespace; the node links
+        them), else the call's own ``agent_id``."""
+        wf = self._workflows.get(session_id) if self.use_workflows and session_id is not None else None
+        if wf is not None and node_id is not None:
+            node = wf.nodes.get(node_id)
+            if node is not None and node.agent_id is not None:
+                return node.agent_id
+        return agent_id
+
     def has_workflow(self, session_id: str) -> bool:
-        return session_id in self._workflows
+        return self.use_workflows and session_id in self._workflows
 
     def call_finished(self, session_id: str, node_id: str | None, now: float) -> dict[str, float] | None:
         """Each agent's next LLM node start (W5) after a call of a workflow session; None
         for a session without a workflow."""
-        wf = self._workflows.get(session_id)
+        wf = self._workflows.get(session_id) if self.use_workflows else None
         if wf is None:
             return None
         if node_id is not None and node_id in wf.nodes:
             self._observe_tools(wf, node_id, now)
+            seen = self._nodes_seen.setdefault(session_id, set())
+            self.repeat_rate += REPEAT_ALPHA * ((node_id in seen) - self.repeat_rate)
+            seen.add(node_id)
         return wf.agent_next_start(now, self.llm_s, self._tool_s)
+
+    def looping(self) -> bool:
+        """Whether declared nodes are more often called again than left: agents loop inside
+        their nodes (ReAct), so an agent's next call is its loop's, not its next node's."""
+        return self.repeat_rate > 0.5
 
     def _observe_tools(self, wf: Workflow, node_id: str, now: float) -> None:
         """Learn tool durations: a node whose dep is a tool started when that tool ended."""
@@ -208,6 +242,7 @@ class NextUseEstimator:
     def end(self, session_id: str, agents) -> None:
         """The session ended: forget it and its ``agents``; their open estimates were false alarms."""
         self._workflows.pop(session_id, None)
+        self._nodes_seen.pop(session_id, None)
         self._sess_wait.pop(session_id, None)
         self._fan_in.pop(session_id, None)
         self._epoch.pop(session_id, None)

@@ -54,10 +54,9 @@ from kvdb.planner.events import (
 from kvdb.planner.policies.heap import top_live
 from kvdb.planner.policies.nextuse import (
     LLM_CALL_S,
-    PLAN_SLACK_FACTOR,
-    PLAN_SLACK_S,
     NextUseEstimator,
     deadline,
+    hint_plan,
 )
 from kvdb.planner.policies.reuse import ReuseEstimator
 
@@ -72,7 +71,7 @@ class PlannedReplacer(Replacer):
     name = "kvdb"
 
     def __init__(self, num_frames: int, llm_call_s: float = LLM_CALL_S, unplanned: str = "gd",
-                 half_life: float = HALF_LIFE_TICKS) -> None:
+                 half_life: float = HALF_LIFE_TICKS, workflows: bool = True) -> None:
         super().__init__(num_frames)
         if not half_life > 0 or half_life == math.inf:
             raise InvalidInput(f"half_life must be a positive number of calls, got {half_life!r}")
@@ -116,6 +115,7 @@ class PlannedReplacer(Replacer):
         self._agent_plan: dict[tuple, float] = {}  # (session, agent) -> t_next it was planned for
         self._sess_agents: dict[str, dict[tuple, None]] = {}  # session -> its agents with a last chain
         self._next = NextUseEstimator(llm_call_s)  # when each agent calls next
+        self._next.use_workflows = bool(workflows)
         self.set_unplanned(unplanned)
 
     def predicted_return(self, session_id: str) -> float | None:
@@ -146,6 +146,17 @@ class PlannedReplacer(Replacer):
         self._key = self._hc if self._use_crf else self._h
         if hasattr(self, "_gd"):
             self._rebuild_gd()
+
+    def set_workflows(self, on: bool) -> None:
+        """Plan from declared workflows (True) or only from hints and learned gaps (False).
+        Turning them off drops the plans they made (the next calls plan afresh)."""
+        if self._next.use_workflows == bool(on):
+            return
+        if not on:
+            for agent in list(self._agent_plan):
+                if self._next.has_workflow(agent[0]):
+                    self._plan_agent(agent, None, self._now)
+        self._next.use_workflows = bool(on)
 
     def _set_plan(self, f: int, t_next: float, deadline: float, replace: bool = False) -> None:
         if not replace and self._planned[f] and self._t_next[f] >= self._now and self._deadline[f] > self._now:
@@ -230,15 +241,6 @@ class PlannedReplacer(Replacer):
             return
         self._set_plan(f, t, deadline, replace=True)
 
-    def _plan_for(self, hints: dict[str, Any], now: float) -> tuple[float, float] | None:
-        d = hints.get("expected_tool_duration_s")
-        ttl = hints.get("ttl_s")
-        if d is not None:
-            return now + d, now + d * (1.0 + PLAN_SLACK_FACTOR) + PLAN_SLACK_S
-        if ttl is not None:
-            return now, now + ttl
-        return None
-
     # -- Replacer -----------------------------------------------------------------------
     def record_access(self, frames, ids=None, ctx: AccessContext | None = None) -> None:
         if ctx is not None and ctx.now_s > self._now:
@@ -247,7 +249,7 @@ class PlannedReplacer(Replacer):
         sid = ctx.session_id if ctx is not None else None
         hints = ctx.hints if ctx is not None else {}
         prio = 1 + hints.get("priority", 0)
-        plan = self._plan_for(hints, now) if (hints and sid is not None) else None
+        plan = hint_plan(hints, now) if (hints and sid is not None) else None
         if sid is not None:
             if plan is not None and "expected_tool_duration_s" in hints:
                 self._returns[sid] = plan[0]
@@ -337,9 +339,11 @@ class PlannedReplacer(Replacer):
                     self._planned[f] = 0
                     self._pver[f] += 1
                 self._push_gd(f)
-        if agent is not None and not wf:
-            for a, t in self._next.on_call(agent, hints, now, new_call):
-                self._plan_agent(a, t, now)
+        if agent is not None:  # learned even under a workflow, so that it is warm if workflows are turned off
+            plans = self._next.on_call(agent, hints, now, new_call)
+            if not wf or "expected_tool_duration_s" in hints or self._next.looping():  # the agent goes on
+                for a, t in plans if not wf else plans[:1]:
+                    self._plan_agent(a, t, now)
         if reuse.epoch_due():
             reuse.update(self._tc)
 
@@ -369,7 +373,7 @@ class PlannedReplacer(Replacer):
 
     def on_event(self, event: Any) -> None:
         if isinstance(event, CallStarted):
-            self._current = (event.session_id, event.agent_id)
+            self._current = (event.session_id, self._next.agent_of(event.session_id, event.node_id, event.agent_id))
             self._chain_open = False
             self._now = max(self._now, event.now_s)
         elif isinstance(event, SessionBegan):
@@ -379,10 +383,16 @@ class PlannedReplacer(Replacer):
             sid = event.session_id
             starts = self._next.call_finished(sid, event.node_id, self._now)
             if starts is not None:
-                self._replan(sid, starts, self._now, changed=(sid, event.agent_id))
+                me = self._next.agent_of(sid, event.node_id, event.agent_id)
+                if "expected_tool_duration_s" in event.hints or self._next.looping():
+                    # the call waits on a tool and its agent goes on after it (a ReAct loop inside
+                    # its node): its own plan is the hint's, from on_call, not its next node's start
+                    starts = {a: t for a, t in starts.items() if a != me}
+                    me = None
+                self._replan(sid, starts, self._now, changed=None if me is None else (sid, me))
         elif isinstance(event, HintGiven):
             self._now = max(self._now, event.now_s)
-            plan = self._plan_for(event.hints, self._now)
+            plan = hint_plan(event.hints, self._now)
             if plan is not None and "expected_tool_duration_s" in event.hints:
                 self._returns[event.session_id] = plan[0]
             prio = event.hints.get("priority")
