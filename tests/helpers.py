@@ -8,6 +8,8 @@ so pytest puts it on sys.path for every test, packages (replication/, integratio
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 import kvdb
@@ -101,3 +103,34 @@ def run_cli(*args):
     from kvdb.cli.main import cli
 
     return CliRunner().invoke(cli, [str(a) for a in args])
+
+
+_HOLDER = """
+import sys
+sys.path.insert(0, sys.argv[2])
+from helpers import LAYOUT, blocks_for, open_db
+db = open_db(sys.argv[1], disk_bytes=None, host_pages=2)
+keys = db.block_keys(list(range(6 * LAYOUT.block_tokens)))
+db.put_blocks(keys, blocks_for(6), durability="group")
+print(" ".join(bytes(k).hex() for k in keys), flush=True)
+sys.stdin.readline()  # hold the Db open until told
+db.close()
+"""
+
+
+@contextlib.contextmanager
+def held_by_another_process(path):
+    """A writer in another process holds the Db at ``path`` (6 blocks of ``blocks_for(6)``,
+    durable in the log, 2 host pages) while the body runs; yields their keys in hex."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    proc = subprocess.Popen([sys.executable, "-c", _HOLDER, str(path), str(Path(__file__).parent)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        yield proc.stdout.readline().split()
+    finally:
+        proc.stdin.write("\n")
+        proc.stdin.flush()
+        assert proc.wait(timeout=120) == 0

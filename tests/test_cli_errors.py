@@ -7,7 +7,6 @@ import json
 
 import pytest
 
-from kvdb.cli.main import cli
 from helpers import run_cli
 
 SECRET = "0123456789abcdef0123456789abcdef\n"

@@ -9,15 +9,10 @@ import json
 import os
 import shutil
 import stat
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
 
 import pytest
-from helpers import LAYOUT, blocks_for, open_db, run_cli, tree_hashes
+from helpers import LAYOUT, blocks_for, held_by_another_process, open_db, run_cli, tree_hashes
 
-from kvdb.cli.main import cli
 
 
 hashes = tree_hashes
@@ -121,25 +116,9 @@ def test_ls_get_wal_dump_leave_every_byte_of_a_writable_directory(store, tmp_pat
     assert hashes(path) == before  # no LOCK file made, no checkpoint, no index write
 
 
-_HOLDER = textwrap.dedent("""
-    import sys
-    sys.path.insert(0, sys.argv[2])
-    from helpers import LAYOUT, blocks_for, open_db
-    db = open_db(sys.argv[1], disk_bytes=None, host_pages=2)
-    keys = db.block_keys(list(range(6 * LAYOUT.block_tokens)))
-    db.put_blocks(keys, blocks_for(6), durability="group")
-    print(" ".join(bytes(k).hex() for k in keys), flush=True)
-    sys.stdin.readline()  # hold the Db open until told
-    db.close()
-""")
-
-
 def test_ls_get_wal_dump_while_another_process_holds_the_db(tmp_path):
     path = tmp_path / "db"
-    proc = subprocess.Popen([sys.executable, "-c", _HOLDER, str(path), str(Path(__file__).parent)],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    try:
-        keys = proc.stdout.readline().split()
+    with held_by_another_process(path) as keys:
         assert len(keys) == 6
         before = hashes(path)
         r = run("ls", path, "--json")
@@ -153,7 +132,3 @@ def test_ls_get_wal_dump_while_another_process_holds_the_db(tmp_path):
         r = run("wal", "dump", path, "--json")
         assert r.exit_code == 0, r.output
         assert hashes(path) == before
-    finally:
-        proc.stdin.write("\n")
-        proc.stdin.flush()
-        assert proc.wait(timeout=120) == 0

@@ -8,16 +8,11 @@ from __future__ import annotations
 import os
 import shutil
 import stat
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
 
 import pytest
-from helpers import LAYOUT, blocks_for, open_db, run_cli, tree_hashes
+from helpers import LAYOUT, blocks_for, held_by_another_process, open_db, run_cli, tree_hashes
 
 import kvdb
-from kvdb.cli.main import cli
 from kvdb.errors import InvalidInput, NotFound
 
 SECRET = b"0123456789abcdef"
@@ -73,35 +68,16 @@ def test_read_only_open_of_a_missing_directory_makes_nothing(tmp_path):
     assert not (tmp_path / "nope").exists()
 
 
-_HOLDER = textwrap.dedent("""
-    import sys
-    sys.path.insert(0, sys.argv[2])
-    from helpers import LAYOUT, blocks_for, open_db
-    db = open_db(sys.argv[1], disk_bytes=None, host_pages=2)
-    keys = db.block_keys(list(range(6 * LAYOUT.block_tokens)))
-    db.put_blocks(keys, blocks_for(6), durability="group")
-    print("ready", flush=True)
-    sys.stdin.readline()  # hold the Db open until told
-    db.close()
-""")
-
-
 def test_stats_and_verify_while_another_process_holds_the_db(tmp_path):
     path = tmp_path / "db"
-    proc = subprocess.Popen([sys.executable, "-c", _HOLDER, str(path), str(Path(__file__).parent)],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    try:
-        assert proc.stdout.readline().strip() == "ready"
+    with held_by_another_process(path) as keys:
+        assert len(keys) == 6
         r = run("stats", path, "--json")  # old code: "already open", exit 1
         assert r.exit_code == 0, r.output
         assert '"pages": 6' in r.output
         r = run("verify", path, "--json")  # old code: a RocksDB lock error
         assert r.exit_code == 0, r.output
         assert '"ok": true' in r.output
-    finally:
-        proc.stdin.write("\n")
-        proc.stdin.flush()
-        assert proc.wait(timeout=120) == 0
 
 
 def test_stats_and_verify_on_a_read_only_copy(tmp_path):
