@@ -125,3 +125,22 @@ def test_pins_and_removal_reach_both_orderings():
     r.set_evictable(0, True)
     r.remove(0)
     assert r.num_evictable() == 0 and r.evict() is None
+
+
+def test_the_no_workflow_candidate_appears_with_the_first_workflow():
+    """Until a session declares a workflow, ``nowf`` would decide exactly as ``gd``: it is not
+    simulated (a Mooncake-style trace never pays for it); the first workflow makes it, as a
+    copy of ``gd``'s mini cache, and from then on it learns on its own."""
+    from kvdb.planner.sessions import Planner
+
+    g = AdaptiveReplacer(64)
+    assert set(g.describe()["candidates"]) == {"gd", "crf", "lru"}
+    p = Planner([g], clock=lambda: 0.0)
+    p.begin_session("plain", now_s=0.0)
+    ctx, _ = p.call_started("plain", now_s=1.0)
+    g.record_access([0, 1], [10, 11], ctx)
+    assert "nowf" not in g.describe()["candidates"]
+    p.begin_session("declared", workflow=[{"id": "a", "agent_id": "x"}], now_s=2.0)
+    c = g.describe()["candidates"]
+    assert set(c) == {"gd", "crf", "nowf", "lru"}
+    assert c["nowf"] == c["gd"]  # the same past

@@ -39,17 +39,20 @@ Until the first eviction the minis do not evict.
 
 Causal and deterministic: the minis see only what the real policy sees, in the same order; the
 sample is a function of block ids only. Costs per access: the planner, an LRU update, and
-``rate`` x (the three candidates) -- ``rate`` is 1/8 by default.
+``rate`` x (the candidates) -- ``rate`` is 1/8 by default; ``nowf`` is simulated only once a
+session has declared a workflow (until then it would decide exactly as ``gd``).
 """
 
 from __future__ import annotations
 
+import copy
 import math
 import zlib
 from collections.abc import Hashable, Sequence
 from typing import Any
 
 from kvdb.buffer_pool.replacer import AccessContext, Replacer
+from kvdb.planner.events import SessionBegan
 from kvdb.planner.policies.lru import LruReplacer
 from kvdb.planner.policies.planned import PlannedReplacer
 
@@ -141,7 +144,12 @@ class AdaptiveReplacer(Replacer):
         self._threshold = int(self.rate * (1 << 32))
         mini_n = int(c * self.rate) * 2 + 16
         self._minis: dict[str, _Mini] = {}
+        # until a session declares a workflow, ``nowf`` decides exactly as ``gd``: it is made
+        # then, as a copy of ``gd``'s mini cache (a trace without workflows never pays for it)
+        self._nowf_later = "nowf" in candidates and "gd" in candidates
         for c in candidates:
+            if c == "nowf" and self._nowf_later:
+                continue
             if c == "lru":
                 r: Replacer = LruReplacer(mini_n)
             else:
@@ -204,6 +212,11 @@ class AdaptiveReplacer(Replacer):
             self.planner.set_workflows(workflows)
 
     def on_event(self, event: Any) -> None:
+        if self._nowf_later and isinstance(event, SessionBegan) and event.workflow is not None:
+            self._nowf_later = False
+            twin = copy.deepcopy(self._minis["gd"])
+            twin.repl.set_workflows(False)
+            self._minis["nowf"] = twin
         self.planner.on_event(event)
         for m in self._minis.values():
             m.repl.on_event(event)
