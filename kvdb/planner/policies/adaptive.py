@@ -100,7 +100,11 @@ class _Mini:
         self.free.append(f)
         return True
 
-    def access(self, ids: list, ctx: AccessContext | None, cap: int | None) -> None:
+    def trim(self, cap: int) -> None:
+        while len(self.table) > cap and self._evict_one():
+            pass
+
+    def access(self, ids: list, ctx: AccessContext | None) -> None:
         table = self.table
         while sum(1 for b in ids if b not in table) > len(self.free):
             if not self._evict_one():
@@ -119,9 +123,6 @@ class _Mini:
                 hit += 1
             frames.append(f)
         self.repl.record_access(frames, ids, ctx)
-        if cap is not None:
-            while len(table) > cap and self._evict_one():
-                pass
         self.score += hit
         self.hits += hit
         self.accesses += len(ids)
@@ -183,9 +184,8 @@ class AdaptiveReplacer(Replacer):
                     sampled = []
                 sampled.append(ids[j])
         if sampled is not None and self._minis:
-            cap = None if self._cap is None else max(1, int(self._cap * self.rate))
             for m in self._minis.values():
-                m.access(sampled, ctx, cap)
+                m.access(sampled, ctx)
             self._since += len(sampled)
             if self._since >= EPOCH:
                 self._decide()
@@ -233,6 +233,11 @@ class AdaptiveReplacer(Replacer):
         if f is not None:
             self._forget(f)
             self._evicted_since_access = True
+            # the minis evict when the tier does (after the host's call_finished in a replay,
+            # when it needs a frame in the engine), down to their share of what stays resident
+            cap = max(1, int(self._resident * self.rate))
+            for m in self._minis.values():
+                m.trim(cap)
         return f
 
     def _forget(self, f: int) -> None:
