@@ -33,9 +33,11 @@ sampling noise alone does not move it, and not before ``WARMUP`` epochs. A mini
 cache counts hits as the replay does (kvdb/sim/replay.py S1), on the sample: the leading run of
 a call's sampled blocks that it holds.
 
-Capacity: the policy is never told the tier's capacity (kvdb/sim/replay.py S4). It learns it
-from its own evictions: the number of resident frames after the last eviction of a burst.
-Until the first eviction the minis do not evict.
+Capacity: the policy is never told the tier's capacity (kvdb/sim/replay.py S4). The minis
+evict when the tier does (in a replay after the host's call_finished, in the engine when the
+pool needs a frame), each down to ``rate`` x the frames still resident, so at ``rate`` 1 a
+candidate's mini is that candidate exactly. ``describe`` reports the capacity learned this
+way (resident frames after the last eviction of a burst).
 
 Causal and deterministic: the minis see only what the real policy sees, in the same order; the
 sample is a function of block ids only. Costs per access: the planner, an LRU update, and
