@@ -252,8 +252,7 @@ def put_rows(keys_blob: bytes, positions: np.ndarray, namespace_id: int, codec: 
         return head.view(np.uint8).reshape(n, PUT_PAYLOAD_OFFSET)
     rows = np.empty((n, PUT_PAYLOAD_OFFSET + m), dtype=np.uint8)
     rows[:, :PUT_PAYLOAD_OFFSET] = head.view(np.uint8).reshape(n, PUT_PAYLOAD_OFFSET)
-    if payloads is not None:
-        rows[:, PUT_PAYLOAD_OFFSET:] = payloads
+    rows[:, PUT_PAYLOAD_OFFSET:] = payloads
     return rows
 
 
