@@ -17,6 +17,7 @@ from helpers import LAYOUT, PAGE, blocks_for, tree_hashes
 import kvdb
 from kvdb import native
 from kvdb.cli.main import cli
+from kvdb.cold.recovery import ID_COPY
 from kvdb.errors import CorruptionError, InvalidInput
 from kvdb.format import index_value as iv
 from kvdb.format import record as fr
@@ -79,15 +80,20 @@ def _make_other(tmp_path):
     return path
 
 
-def test_a_foreign_index_is_corruption_and_the_open_writes_nothing(tmp_path):
+@pytest.mark.parametrize("copy", ["kept", "removed"])
+def test_a_foreign_index_is_corruption_and_the_open_writes_nothing(tmp_path, copy):
     # Scenario: store a's index/ replaced by store b's (same layout and model). Before store ids
     # this opened and a's blocks silently went missing; now the open raises CorruptionError naming
     # index/, writes no byte anywhere in a, and kvdb verify exits 3. Removing index/ rebuilds it
-    # from a's own log (C6) and every block is found again.
+    # from a's own log (C6) and every block is found again. The id is read from the copy beside
+    # the index's files (KVDB-STORE-ID), or, without it, from the index itself.
     a, b = tmp_path / "a", _make_other(tmp_path)
     keys = _make(a)
     shutil.rmtree(a / "index")
     shutil.copytree(b / "index", a / "index")
+    assert (a / "index" / ID_COPY).read_bytes() == _store_id(b)
+    if copy == "removed":
+        (a / "index" / ID_COPY).unlink()
     before = _hashes(a)
     with pytest.raises(CorruptionError, match=r"index belongs to another store"):
         kvdb.open(a, host_bytes=2 * PAGE)
@@ -99,6 +105,17 @@ def test_a_foreign_index_is_corruption_and_the_open_writes_nothing(tmp_path):
     with kvdb.open(a, host_bytes=2 * PAGE) as db:
         assert db.match_prefix(keys) == 12
         assert db.cold_store.index.get(iv.STORE_KEY) == _store_id(a)
+
+
+def test_a_damaged_id_copy_is_ignored_and_written_again(tmp_path):
+    # a copy cut short (or gone) is not the store's word: the index's Mstore decides, and the
+    # open writes the copy again
+    a = tmp_path / "a"
+    keys = _make(a)
+    (a / "index" / ID_COPY).write_bytes(_store_id(a)[:7])
+    with kvdb.open(a, host_bytes=2 * PAGE) as db:
+        assert db.match_prefix(keys) == 12
+    assert (a / "index" / ID_COPY).read_bytes() == _store_id(a)
 
 
 def test_a_foreign_segment_is_corruption_naming_it(tmp_path):

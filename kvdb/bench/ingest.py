@@ -11,10 +11,9 @@ baseline from the same run.
 * ``ingest_us_per_block``   process CPU time (every thread: the flusher's too) per block of the
                             ingest; ``raw_write_us_per_block`` the same for the baseline, and
                             ``ingest_cpu_beyond_raw_us`` their difference: the store's CPU per
-                            block beyond writing the bytes (goal <= 5 us);
-* ``open_10k_s``            ``kvdb.open`` of a closed store of 10,000 4 KiB blocks (in this
-                            process, import excluded), against ``rocksdb_open_10k_s``: rocksdict
-                            opening that store's index, no scan.
+                            block beyond writing the bytes (goal <= 5 us).
+
+The open figures are kvdb/bench/reopen.py's.
 
 Phases alternate which side goes first; figures are medians of ``repeats``. Goals printed with
 them: ingest >= 0.8 x raw at 4 KiB and >= 0.9 x at 64 KiB.
@@ -139,34 +138,4 @@ def bench_ingest(root: str, *, ingest_mib: int = 128, batch_mib: int = 32, repea
     return out
 
 
-def bench_open(root: str, *, blocks: int = 10_000, repeats: int = 3) -> dict:
-    """``kvdb.open`` of a closed store of ``blocks`` 4 KiB blocks vs rocksdict opening its index."""
-    lay = PAGE4K
-    path = os.path.join(root, "open-store")
-    keys = _keys(blocks, 3)
-    pages = torch.zeros((min(blocks, 8192), *lay.block_shape), dtype=lay.dtype)
-    try:
-        with kvdb.open(path, layout=lay, model_id="bench-open", host_bytes=16 * lay.page_bytes) as db:
-            for b in range(0, blocks, pages.shape[0]):
-                chunk = keys[b : b + pages.shape[0]]
-                db.put_blocks(chunk, pages[: len(chunk)], tier="disk", durability="none")
-        kv_s, rocks_s = [], []
-        for r in range(repeats):
-            for side in ((0, 1) if r % 2 == 0 else (1, 0)):
-                t0 = time.perf_counter()
-                if side == 0:
-                    db = kvdb.open(path, layout=lay, model_id="bench-open", host_bytes=16 * lay.page_bytes)
-                    kv_s.append(time.perf_counter() - t0)
-                    db.close()
-                else:
-                    rd = rocksdict.Rdict(os.path.join(path, "index"), rocksdict.Options(raw_mode=True))
-                    rocks_s.append(time.perf_counter() - t0)
-                    rd.close()
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
-    kv, rocks = statistics.median(kv_s), statistics.median(rocks_s)
-    return {"open_blocks": blocks, "open_10k_s": round(kv, 4), "rocksdb_open_10k_s": round(rocks, 4),
-            "open_vs_rocksdb": round(kv / rocks, 2)}
-
-
-__all__ = ["PAGE4K", "PAGE64K", "bench_ingest", "bench_open"]
+__all__ = ["PAGE4K", "PAGE64K", "bench_ingest"]

@@ -60,7 +60,7 @@ def ls_cmd(path: str, limit: int | None, namespace_id: int | None, encryption_ke
     store = open_store(path, encryption_key_file, read_only=True)
     try:
         view = _view(path, store)
-        keys = store.live.keys()  # oldest written first
+        keys = [c[0] for c in store.live.scan()]  # in log order: oldest written first
         keys.reverse()
         rows = []
         for start in range(0, len(keys), 4096):

@@ -18,16 +18,21 @@ from kvdb.cli.output import emit, json_option, progress
 @click.option("--ingest-mib", type=click.IntRange(min=0), default=128, show_default=True,
               help="bytes of 4 KiB and of 64 KiB pages ingested per run (0: no ingest figures)")
 @click.option("--open-blocks", type=click.IntRange(min=0), default=10_000, show_default=True,
-              help="4 KiB blocks in the store whose open is timed (0: no open figures)")
+              help="512-byte blocks in the small store whose open is timed (0: no open figures)")
+@click.option("--open-large-blocks", type=click.IntRange(min=1), default=1_000_000, show_default=True,
+              help="512-byte blocks in the large store whose open is timed (open_1m_s)")
 @json_option
-def bench_scale_cmd(dir_path, total_mib, batch_pages, get1_blocks, repeats, ingest_mib, open_blocks, as_json) -> None:
+def bench_scale_cmd(dir_path, total_mib, batch_pages, get1_blocks, repeats, ingest_mib, open_blocks,
+                    open_large_blocks, as_json) -> None:
     """Disk-tier reads (batched and one block per call, cold) vs preadv / one file per block;
-    ingest of 4 KiB and 64 KiB pages vs sequential writes; open vs a RocksDB open."""
+    ingest of 4 KiB and 64 KiB pages vs sequential writes; open of 10k and 1M blocks vs a RocksDB
+    open."""
     from kvdb.bench.scale import bench_scale
 
     with progress(2 * repeats * (2 if ingest_mib else 1), "bench scale", enabled=not as_json) as advance:
         res = bench_scale(total_mib=total_mib, batch_pages=batch_pages, get1_blocks=get1_blocks, repeats=repeats,
-                          ingest_mib=ingest_mib, open_blocks=open_blocks, dir_path=dir_path,
+                          ingest_mib=ingest_mib, open_blocks=open_blocks, open_large_blocks=open_large_blocks,
+                          dir_path=dir_path,
                           progress=lambda done, total: advance())
     emit(res, as_json)
 

@@ -12,10 +12,20 @@ flush unless ``APPLY_BATCH`` updates wait (kvdb/cold/store.py).
 Then the durability listeners run (``add_listener``: log shipping wakes its streams), outside
 every lock.
 
-Invariant
+Every queued update also carries what it changes in the live blocks per segment (``delta``:
+(segment, bytes, blocks) triples, worked out by the live set, kvdb/cold/live.py); ``apply``
+adds them to ``applied`` (segment -> [live bytes, live blocks] as the index holds them) and
+writes the segments' new totals and ``Mapplied`` in the same RocksDB batch as the entries.
+
+Invariants
     C1  RocksDB only ever holds index entries of fsynced records, applied in lsn order: any
         state a crash leaves it in is the log's state at some durable lsn (its memtable is not
         logged, so a crash rolls it back to an earlier such state, never forward).
+    C7  every RocksDB batch that changes entries also holds the per-segment live totals they
+        lead to and ``Mapplied``, the lsn of its last record: whatever a crash leaves, the
+        entries, the totals and ``Mapplied`` agree (a flushed memtable holds whole batches), so
+        an open reads the totals back instead of scanning every entry and replays only the
+        records after ``Mapplied`` (kvdb/cold/recovery.py).
 
 Locks
     ``lock``      serialises ``apply`` (and lets segment GC see the queue and the index hold
@@ -47,6 +57,19 @@ def index_ops(segment_no: int, offset: int, rtype: int, lsn: int, crc: int, body
     return []
 
 
+def live_ops(applied: dict[int, list[int]], segments) -> list[tuple[bytes, bytes | None]]:
+    """Index writes of the live totals of ``segments`` (a segment with nothing live: no key)."""
+    ops = []
+    for seg in sorted(segments):
+        nbytes, nblocks = applied.get(seg, (0, 0))
+        if nblocks < 0 or nbytes < 0:
+            raise AssertionError(f"segment {seg} would hold {nblocks} live blocks of {nbytes} bytes")
+        ops.append((iv.live_key(seg), iv.encode_segment_live(nbytes, nblocks) if nblocks else None))
+        if not nblocks:
+            applied.pop(seg, None)
+    return ops
+
+
 #: marks a queue item that is a whole put_rows batch
 BATCH = object()
 
@@ -58,9 +81,10 @@ class IndexQueue:
         self.index = index
         self.writer = writer
         self.lock = threading.Lock()
-        # (lsn, index key, value|None, block key|None), or for a put_rows batch
-        # (its last lsn, None, (index keys, values, block keys, lsns), BATCH)
+        # (lsn, index key, value|None, block key|None, delta|None), or for a put_rows batch
+        # (its last lsn, None, (index keys, values, block keys, lsns), BATCH, delta)
         self._queue: collections.deque = collections.deque()
+        self.applied: dict[int, list[int]] = {}  # segment -> [live bytes, live blocks] in the index
         self._pending: dict[bytes, tuple[int, bytes | None]] = {}  # block key -> (lsn, encoded entry or None)
         self._listeners: tuple = ()  # called with the new durable lsn
         self._batched = 0  # keys in queued put_rows batches, beyond one per batch
@@ -71,15 +95,15 @@ class IndexQueue:
 
     # -- queueing (caller holds writer.lock)
 
-    def put_entries(self, entries) -> None:
-        """(block key, BlockEntry) of appended PUT records, in lsn order."""
+    def put_entries(self, entries, deltas) -> None:
+        """(block key, BlockEntry) of appended PUT records, in lsn order, and their live deltas."""
         queue, pending, prefix, encode = self._queue, self._pending, iv.BLOCK_PREFIX, iv.encode_entry
-        for key, e in entries:
+        for (key, e), delta in zip(entries, deltas):
             value = encode(e)
-            queue.append((e.lsn, prefix + key, value, key))
+            queue.append((e.lsn, prefix + key, value, key, delta))
             pending[key] = (e.lsn, value)
 
-    def put_rows(self, keys: list[bytes], first_lsn: int, values: list[bytes]) -> None:
+    def put_rows(self, keys: list[bytes], first_lsn: int, values: list[bytes], delta) -> None:
         """Appended PUT records of consecutive lsns from ``first_lsn``, their encoded entries
         (kvdb/format/index_value.py ``encode_entries``): one queue item, no Python step per key
         but the index key's bytes."""
@@ -88,24 +112,24 @@ class IndexQueue:
         lsns = range(first_lsn, first_lsn + len(keys))
         prefix = iv.BLOCK_PREFIX
         ikeys = [prefix + k for k in keys]
-        self._queue.append((lsns[-1], None, (ikeys, values, keys, lsns), BATCH))
+        self._queue.append((lsns[-1], None, (ikeys, values, keys, lsns), BATCH, delta))
         self._batched += len(keys) - 1
         self._pending.update(zip(keys, zip(lsns, values)))
 
-    def delete(self, lsn: int, keys: list[bytes]) -> None:
-        """The keys of an appended DELETE record."""
-        for key in keys:
-            self._queue.append((lsn, iv.block_key(key), None, key))
+    def delete(self, lsn: int, keys: list[bytes], delta) -> None:
+        """The keys of an appended DELETE record and its live delta."""
+        for i, key in enumerate(keys):
+            self._queue.append((lsn, iv.block_key(key), None, key, delta if i == len(keys) - 1 else None))
             self._pending[key] = (lsn, None)
 
     def metadata(self, lsn: int, index_key: bytes, value: bytes | None) -> None:
         """An appended metadata record (``value`` None: the name is removed)."""
-        self._queue.append((lsn, index_key, value, None))
+        self._queue.append((lsn, index_key, value, None, None))
 
     def queued_index_keys(self) -> set[bytes]:
         """Index keys with an update still queued (caller holds ``lock`` and writer.lock)."""
         out: set[bytes] = set()
-        for _lsn, ikey, v, k in self._queue:
+        for _lsn, ikey, v, k, _d in self._queue:
             if k is BATCH:
                 out.update(v[0])
             else:
@@ -114,36 +138,62 @@ class IndexQueue:
 
     # -- reading
 
-    def lookup(self, keys: list[bytes], is_live) -> list[iv.BlockEntry | None]:
-        """Entries of ``keys``: from ``pending``, else from RocksDB for keys ``is_live`` (the
-        live set's ``has``; a key not live is not looked up)."""
+    def lookup(self, keys: list[bytes]) -> list[iv.BlockEntry | None]:
+        """Entries of ``keys``: from ``pending``, else from RocksDB."""
+        decode = iv.decode_entry
+        return [None if v is None else decode(v) for v in self.values(keys)]
+
+    def values(self, keys: list[bytes]) -> list[bytes | None]:
+        """Encoded entries of ``keys`` (None: not live): from ``pending``, else one multi-get."""
         out: list = [None] * len(keys)
         missing = []
-        pending = self._pending
-        decode = iv.decode_entry
+        get = self._pending.get
         for i, k in enumerate(keys):
-            p = pending.get(k)
-            if p is not None:
-                out[i] = None if p[1] is None else decode(p[1])
-            elif is_live(k):
+            p = get(k)
+            if p is None:
                 missing.append(i)
+            else:
+                out[i] = p[1]
         if missing:
-            got = self.index.get_entries([keys[i] for i in missing])
-            for i, e in zip(missing, got):
-                out[i] = e
+            got = self.index.get_values(keys if len(missing) == len(keys) else [keys[i] for i in missing])
+            for i, v in zip(missing, got):
+                out[i] = v
         return out
+
+    def pending_locations(self) -> dict[bytes, tuple[int, int, int] | None]:
+        """(segment, offset, record bytes) of every key with a queued update (None: deleted)."""
+        loc = iv.entry_location
+        return {k: None if v is None else loc(v) for k, (_lsn, v) in self._pending.items()}
+
+    def locate(self, keys: list[bytes]) -> list[tuple[int, int, int] | None]:
+        """(segment, offset, record bytes) of each live one of ``keys``, None for the others."""
+        loc = iv.entry_location
+        return [None if v is None else loc(v) for v in self.values(keys)]
 
     # -- applying (C1)
 
     def apply(self, lsn: int) -> None:
-        """Write the durable prefix of the queue (lsn <= ``lsn``) to RocksDB (C1), then tell
-        the listeners. An index write error fails the log (C5)."""
+        """Write the durable prefix of the queue (lsn <= ``lsn``) to RocksDB (C1), with the
+        live totals of the segments it changes and ``Mapplied`` (C7), then tell the listeners.
+        An index write error fails the log (C5)."""
         with self.lock:
             ops, done = [], []
             unbatched = 0
             q = self._queue
+            applied = self.applied
+            touched: set[int] = set()
+            last = None
             while q and q[0][0] <= lsn:
-                op_lsn, ikey, value, key = q.popleft()
+                op_lsn, ikey, value, key, delta = q.popleft()
+                last = op_lsn
+                if delta:
+                    for seg, nbytes, nblocks in delta:
+                        tot = applied.get(seg)
+                        if tot is None:
+                            tot = applied[seg] = [0, 0]
+                        tot[0] += nbytes
+                        tot[1] += nblocks
+                        touched.add(seg)
                 if key is BATCH:
                     ikeys, values, keys, lsns = value
                     ops.extend(zip(ikeys, values))
@@ -154,6 +204,9 @@ class IndexQueue:
                 if key is not None:
                     done.append((key, op_lsn))
             try:
+                if last is not None:
+                    ops.extend(live_ops(applied, touched))
+                    ops.append((iv.APPLIED_KEY, iv.encode_lsn(last)))
                 self.index.write(ops)
             except Exception as e:
                 self.writer.fail(e)
@@ -185,4 +238,4 @@ class IndexQueue:
             self._listeners = tuple(f for f in self._listeners if f != fn)  # bound methods: ==
 
 
-__all__ = ["IndexQueue", "index_ops"]
+__all__ = ["IndexQueue", "index_ops", "live_ops"]

@@ -121,15 +121,13 @@ def _compact(store, progress, min_dead_fraction: float, stop=None) -> dict:
         if progress is not None:
             progress(0, total)
         for s in victims:
-            with w.lock:
-                keys = live.keys_in(s)
+            blocks = live.blocks_in(s)  # a sealed segment: walked without the writer's lock
             i = 0
-            while i < len(keys) and not (stop is not None and stop.is_set()):
+            while i < len(blocks) and not (stop is not None and stop.is_set()):
                 chunk, nbytes = [], 0
-                while i < len(keys) and (not chunk or nbytes < CHUNK_BYTES):
-                    chunk.append(keys[i])
-                    cur = live.get(keys[i])
-                    nbytes += cur[1] if cur is not None else 0
+                while i < len(blocks) and (not chunk or nbytes < CHUNK_BYTES):
+                    chunk.append(blocks[i][0])
+                    nbytes += blocks[i][1]
                     i += 1
                 moved = _move_chunk(store, s, chunk, out)
                 done += moved
@@ -157,10 +155,10 @@ def _move_chunk(store, segment_no: int, keys: list[bytes], out: dict) -> int:
     w, live = store.writer, store.live
     with w.lock:
         store.check()
-        recs, metas = [], []
+        recs, metas, olds = [], [], []
         entries = store.lookup(keys)
         for key, e in zip(keys, entries):
-            if e is None or live.segment_of(key) != segment_no or e.segment_no != segment_no:
+            if e is None or e.segment_no != segment_no:
                 continue
             raw = store.reader.read_record(segment_no, e.offset, e.record_bytes)
             status, rec = (("short", None) if raw is None else check_record(raw, 0))
@@ -171,17 +169,18 @@ def _move_chunk(store, segment_no: int, keys: list[bytes], out: dict) -> int:
             body = bytes(rec.body)
             recs.append((RecordType.PUT_BLOCK, [body]))
             metas.append((key, decode_put(body)))
+            olds.append((e.segment_no, e.offset, e.record_bytes))
         if not recs:
             return 0
         locs = w.append(recs)
         moved = 0
-        entries = []
+        entries, news = [], []
         for (key, p), loc in zip(metas, locs):
             entries.append((key, iv.BlockEntry(loc.segment_no, loc.offset, loc.record_bytes, loc.crc, loc.lsn,
                                                p.position, p.namespace_id, p.codec, p.flags, p.raw_bytes)))
-            live.set(key, loc.lsn, loc.record_bytes, loc.segment_no, keep_order=True)
+            news.append((loc.segment_no, loc.offset, loc.record_bytes))
             moved += loc.record_bytes
-        store.queue.put_entries(entries)
+        store.queue.put_entries(entries, live.change([k for k, _p in metas], olds, news))
         store.ckpt.log_bytes += moved
         last = w.next_lsn - 1
     store.commit.sync_to(last)
@@ -218,7 +217,7 @@ def carry_forward(store, dead: list[int], segments: list[int]) -> list[int]:
     newest = max(max(tombs.values(), default=0), max(metas.values(), default=0))
     w, live = store.writer, store.live
     with w.lock:
-        tombs = {k: s for k, s in tombs.items() if not live.has(k)}
+        tombs = {k: s for (k, s), alive in zip(tombs.items(), live.contains(list(tombs))) if not alive}
     # surviving sealed segments older than what is judged, that may hold a dead record: the
     # first one (in segment order) setting each name or putting each key decides
     older = []
@@ -248,7 +247,8 @@ def carry_forward(store, dead: list[int], segments: list[int]) -> list[int]:
     with store.queue.lock, w.lock:
         w.check()  # not store.check(): an open's first checkpoint comes here too
         queued = store.queue.queued_index_keys()
-        keys = [k for k, s in tombs.items() if not live.has(k) and needed(first_put.get(k), s)]
+        keys = [k for (k, s), alive in zip(tombs.items(), live.contains(list(tombs)))
+                if not alive and needed(first_put.get(k), s)]
         records, meta_ops = [], []
         for i in range(0, len(keys), CARRY_KEYS):
             records.append((RecordType.DELETE, [encode_delete(keys[i : i + CARRY_KEYS])]))

@@ -106,7 +106,8 @@ class Index:
             shutil.rmtree(self._view, ignore_errors=True)
             self._view = None
 
-    def get_entries(self, keys: list[bytes]) -> list[BlockEntry | None]:
+    def get_values(self, keys: list[bytes]) -> list[bytes | None]:
+        """The encoded entries of block ``keys`` (None: not in the index), in one multi-get."""
         ks = [BLOCK_PREFIX + k for k in keys]
         try:
             vals = self._db.get(ks)
@@ -114,7 +115,10 @@ class Index:
             raise map_error(e, "reading the index") from None
         if self._overlay:
             vals = [self._overlay[k] if k in self._overlay else v for k, v in zip(ks, vals)]
-        return [None if v is None else decode_entry(v) for v in vals]
+        return vals
+
+    def get_entries(self, keys: list[bytes]) -> list[BlockEntry | None]:
+        return [None if v is None else decode_entry(v) for v in self.get_values(keys)]
 
     def get(self, key: bytes) -> bytes | None:
         if self._overlay and key in self._overlay:

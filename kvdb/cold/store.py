@@ -12,7 +12,7 @@ functions of compact.py, verify.py and export.py work through them):
     commit    kvdb/wal/commit.py       GroupCommit: commit queue, fsync leader, native committer (W2)
     segments  kvdb/wal/segments.py     SegmentSet: listing, sealed sizes, summaries, deletion
     appender  kvdb/cold/write.py       LogAppender: encoding, eviction, appends and their bookkeeping
-    live      kvdb/cold/live.py        LiveSet: live blocks, bytes per segment, eviction plan, space
+    live      kvdb/cold/live.py        LiveSet: live totals per segment, eviction order, space
     queue     kvdb/cold/apply.py       IndexQueue: queued index updates, pending, apply (C1)
     index     kvdb/cold/index.py       Index: RocksDB
     reader    kvdb/cold/read.py        BlockReader: fd cache, checked reads (C3)
@@ -169,7 +169,7 @@ class ColdStore:
         self.default_durability = default_durability
         self.fs = fs if fs is not None else OsFs()
         self.segments = SegmentSet(self.fs, self.wal_dir)
-        self.live = LiveSet()
+        self.live = LiveSet()  # empty until recovered (_open_rest)
         self.debug_on_index_flush = None  # tests: called after each checkpoint's index flush
         self._stats_lock = threading.Lock()
         self._counters = dict.fromkeys(PERSISTED_COUNTERS, 0)
@@ -201,7 +201,7 @@ class ColdStore:
         saved = recovery.saved_counters(self.index)
         for k in PERSISTED_COUNTERS:
             self._counters[k] = int(saved.get(k, 0))
-        checkpoint, r = recovery.replay(self.index, self.fs, self.wal_dir, repair=not self.read_only)
+        checkpoint, r, totals = recovery.replay(self.index, self.fs, self.wal_dir, repair=not self.read_only)
         self.recovery = r
         if seal_check is None:
             recovery.check_key_against_log(self.index, self.path, self.sealer, self.reader.read_entry,
@@ -209,13 +209,12 @@ class ColdStore:
         self.writer = LogWriter(self.fs, self.wal_dir, segment_no=r.segment_no, offset=r.offset,
                                 next_lsn=r.next_lsn, segment_bytes=segment_bytes, store_id=self.store_id)
         self.queue = IndexQueue(self.index, self.writer)
+        self.live.attach(self.queue, self.segments, self.writer, totals)  # O(segments), not blocks (C7)
         self.appender = LogAppender(self, self._counters)
         self.commit = GroupCommit(self.writer, append_batches=self.appender.append_batches, check=self.check,
                                   on_durable=self.queue.apply, native_commit=native_commit)
         self.ckpt = Checkpointer(self, checkpoint_lsn=checkpoint.applied_lsn if checkpoint else 0,
                                  checkpoint_bytes=checkpoint_bytes, max_space_amp=max_space_amp)
-        # O(live blocks) on every open: the eviction order is write order
-        self.live.load(sorted(self.index.entries(), key=lambda kv: kv[1].lsn))
         if (r.records_replayed or r.torn_bytes) and not self.read_only:
             self.ckpt.checkpoint_locked()
 
@@ -420,12 +419,12 @@ class ColdStore:
 
     def contains(self, keys) -> list[bool]:
         self.check()
-        has, keys = self.live.has, list(keys)
-        return list(map(has, keys)) if set(map(type, keys)) <= {bytes} else [has(bytes(k)) for k in keys]
+        keys = list(keys)
+        return self.live.contains(keys if set(map(type, keys)) <= {bytes} else [bytes(k) for k in keys])
 
     def lookup(self, keys: list[bytes]) -> list[iv.BlockEntry | None]:
         """Index entries of ``keys`` (queued ones first), None for a key not live."""
-        return self.queue.lookup(keys, self.live.has)
+        return self.queue.lookup(keys)
 
     def get_into(self, keys, out: np.ndarray, rows=None) -> list[bool]:
         """Read pages into ``out`` rows (uint8 [m, page_bytes]): key i into ``out[rows[i]]``

@@ -3,7 +3,8 @@
 Puts are encoded (codec, seal) outside any lock (``encode``). Then, under ``writer.lock``, every
 append of the store goes through here: its records are written (kvdb/wal/writer.py), and before
 the lock is let go its index updates are queued in lsn order and published to readers
-(kvdb/cold/apply.py), the live set follows (kvdb/cold/live.py), the log bytes since the last
+(kvdb/cold/apply.py) with what they change in the live totals (kvdb/cold/live.py: the old
+locations of their keys are looked up first, from pending or the index), the log bytes since the last
 checkpoint grow (kvdb/cold/checkpoint.py) and the writer-side counters (puts, deletes,
 evictions) change -- all under that one lock, so none of them can disagree with the log's
 order.
@@ -116,23 +117,25 @@ class LogAppender:
             st.check()
             if isinstance(items, PutRows):
                 return self._append_rows(items)
+            keys = [k for k, _f, _p in items]
+            olds = st.live.locate(keys)
             evict: list[bytes] = []
             if st.disk_bytes is not None:
                 sizes = [RECORD_HEADER_BYTES + len(f) + buffer_bytes(p) for _k, f, p in items]
-                dropped, evict = st.live.plan_evictions(sizes, [k for k, _f, _p in items], st.disk_bytes)
+                dropped, evict, evict_olds = st.live.plan_evictions(sizes, keys, olds, st.disk_bytes)
                 if dropped:
                     self.counters["evictions"] += dropped
-                    items = items[dropped:]
+                    items, olds = items[dropped:], olds[dropped:]
             records = []
             if evict:
                 records.append((RecordType.DELETE, [encode_delete(evict)]))
             records.extend((RecordType.PUT_BLOCK, [fixed, payload]) for _k, fixed, payload in items)
             locs = w.append(records)  # an I/O error fails the writer (C5)
             if evict:
-                self.note_delete(locs[0].lsn, evict)
+                self.note_delete(locs[0].lsn, evict, evict_olds)
                 self.counters["evictions"] += len(evict)
                 locs = locs[1:]
-            self._note_puts(items, locs)
+            self._note_puts(items, locs, olds)
             return w.next_lsn - 1
 
     def append_batches(self, batches: list[list]) -> int:
@@ -147,8 +150,9 @@ class LogAppender:
                 return last
             st.check()
             items = [it for b in batches for it in b]
+            olds = st.live.locate([k for k, _f, _p in items])
             locs = w.append([(RecordType.PUT_BLOCK, [fixed, payload]) for _k, fixed, payload in items])
-            self._note_puts(items, locs)
+            self._note_puts(items, locs, olds)
             return w.next_lsn - 1
 
     def _append_rows(self, batch: PutRows) -> int:
@@ -157,14 +161,15 @@ class LogAppender:
         st = self.store
         w = st.writer
         rbytes = batch.record_bytes
+        olds = st.live.locate(batch.keys)
         if st.disk_bytes is not None:
-            dropped, evict = st.live.plan_evictions([rbytes] * len(batch), batch.keys, st.disk_bytes)
+            dropped, evict, evict_olds = st.live.plan_evictions([rbytes] * len(batch), batch.keys, olds, st.disk_bytes)
             if dropped:
                 self.counters["evictions"] += dropped
-                batch = batch.tail(dropped)
+                batch, olds = batch.tail(dropped), olds[dropped:]
             if evict:
                 (loc,) = w.append([(RecordType.DELETE, [encode_delete(evict)])])  # an I/O error fails the writer (C5)
-                self.note_delete(loc.lsn, evict)
+                self.note_delete(loc.lsn, evict, evict_olds)
                 st.ckpt.log_bytes += loc.record_bytes
                 self.counters["evictions"] += len(evict)
         if not len(batch):
@@ -175,37 +180,35 @@ class LogAppender:
         first = runs[0][2]
         values = iv.encode_entries(segs, offs, rbytes, crcs, np.arange(first, first + len(batch), dtype=np.uint64),
                                    batch.positions, batch.namespace_id, Codec.RAW, 0, batch.page_bytes)
-        st.queue.put_rows(batch.keys, first, values)
-        at = 0
-        for s, _o, lsn, c in runs:
-            st.live.set_run(batch.keys[at : at + c], lsn, rbytes, s)
-            at += c
+        delta = st.live.change_runs(batch.keys, olds, [(s, o, c) for s, o, _lsn, c in runs], rbytes)
+        st.queue.put_rows(batch.keys, first, values, delta)
         st.ckpt.log_bytes += rbytes * len(batch)
         self.counters["puts"] += len(batch)
         return w.next_lsn - 1
 
-    def _note_puts(self, items: list, locs: list) -> None:
-        """Caller holds writer.lock: queue the index updates of appended puts, publish them."""
+    def _note_puts(self, items: list, locs: list, olds: list) -> None:
+        """Caller holds writer.lock: queue the index updates of appended puts (whose keys were
+        at ``olds`` before), publish them."""
         st = self.store
-        entries = []
-        set_live = st.live.set
+        entries, news = [], []
         nbytes = 0
         for (key, fixed, _payload), loc in zip(items, locs):
             _, ns, pos, codec, flags, _, raw = PUT_FIXED.unpack(fixed)
             seg, lsn, rbytes = loc.segment_no, loc.lsn, loc.record_bytes
             entries.append((key, iv.BlockEntry(seg, loc.offset, rbytes, loc.crc, lsn, pos, ns, codec, flags, raw)))
-            set_live(key, lsn, rbytes, seg)
+            news.append((seg, loc.offset, rbytes))
             nbytes += rbytes
-        st.queue.put_entries(entries)
+        st.queue.put_entries(entries, st.live.change([k for k, _f, _p in items], olds, news))
         st.ckpt.log_bytes += nbytes
         self.counters["puts"] += len(items)
 
-    def note_delete(self, lsn: int, keys: list[bytes]) -> None:
-        """Caller holds writer.lock: the keys of an appended DELETE record are gone."""
+    def note_delete(self, lsn: int, keys: list[bytes], olds: list | None = None) -> None:
+        """Caller holds writer.lock: the keys of an appended DELETE record (at ``olds``, looked
+        up when not given) are gone."""
         st = self.store
-        st.queue.delete(lsn, keys)
-        for key in keys:
-            st.live.set(key, lsn, 0, 0)
+        if olds is None:
+            olds = st.live.locate(keys)
+        st.queue.delete(lsn, keys, st.live.change_summed(keys, olds, [None] * len(keys)))
 
     def append_delete(self, keys: list[bytes]):
         """Delete the live ones of ``keys``: (the DELETE record's lsn, how many), or (None, 0)."""
@@ -213,11 +216,13 @@ class LogAppender:
         w = st.writer
         with w.lock:
             st.check()
-            live = [k for k in dict.fromkeys(keys) if st.live.has(k)]
+            keys = list(dict.fromkeys(keys))
+            olds = st.live.locate(keys)
+            live = [k for k, o in zip(keys, olds) if o is not None]
             if not live:
                 return None, 0
             (loc,) = w.append([(RecordType.DELETE, [encode_delete(live)])])  # an I/O error fails the writer (C5)
-            self.note_delete(loc.lsn, live)
+            self.note_delete(loc.lsn, live, [o for o in olds if o is not None])
             st.ckpt.log_bytes += loc.record_bytes
             self.counters["deletes"] += len(live)
         return loc.lsn, len(live)

@@ -13,6 +13,12 @@ Index keys (the first byte says the kind)
         b"Mstore"        the store id (16 bytes, MANIFEST.json ``store_id``): written when the
                          index is made (or rebuilt from the log); an index whose id is not the
                          manifest's belongs to another store (kvdb/cold/recovery.py)
+        b"Mapplied"      u64: the lsn of the last record whose index writes this index holds;
+                         written in the same RocksDB batch as those writes, so the index is
+                         always the log's state at exactly this lsn (kvdb/cold/apply.py C7)
+    b"L" + segment_no (u32)              -> SegmentLive (16 bytes, below): the segment's live
+                                            blocks, kept in the batch of every index write
+                                            that changes them (no key: nothing live there)
     b"m" + record type u8 + name         -> value of a SESSION / TTL / LEASE metadata record
 
 BlockEntry (48 bytes)
@@ -29,6 +35,10 @@ BlockEntry (48 bytes)
      42     2  reserved       u16, 0
      44     4  raw_bytes      u32, decoded page bytes
 
+SegmentLive (16 bytes)
+      0     8  live_bytes     u64, record bytes of the live blocks whose newest record is there
+      8     8  live_blocks    u64
+
 Checkpoint (20 bytes)
       0     4  segment_no     u32  \\ replay of the log starts at this record boundary
       4     8  offset         u64  /
@@ -41,6 +51,10 @@ Worked example: the PUT_BLOCK of kvdb/format/record.py's example stored at segme
     01 00 00 00 | 20 00 00 00 00 00 00 00 | 39 00 00 00 | 44 33 22 11 |
     05 00 00 00 00 00 00 00 | 03 00 00 00 00 00 00 00 | 07 00 00 00 | 00 | 00 | 00 00 |
     04 00 00 00
+
+and a segment holding 3 live blocks of 4,149 record bytes each (tests/golden/segment_live.bin):
+
+    9f 30 00 00 00 00 00 00 | 03 00 00 00 00 00 00 00
 """
 
 from __future__ import annotations
@@ -61,10 +75,16 @@ CHECKPOINT_KEY = b"Mcheckpoint"
 STATS_KEY = b"Mstats"
 SEAL_KEY = b"Mseal"
 STORE_KEY = b"Mstore"
+APPLIED_KEY = b"Mapplied"
+LIVE_PREFIX = b"L"
 
 _ENTRY = struct.Struct("<IQIIQqIBBHI")
 ENTRY_BYTES = 48
 _CHECKPOINT = struct.Struct("<IQQ")
+_LOCATION = struct.Struct("<IQI")  # the first 16 bytes of an entry: segment_no, offset, record_bytes
+_SEGMENT_LIVE = struct.Struct("<QQ")
+_U32 = struct.Struct("<I")
+_U64 = struct.Struct("<Q")
 
 
 @dataclass(frozen=True)
@@ -121,6 +141,44 @@ def decode_entry(buf: bytes) -> BlockEntry:
         raise CorruptionError(f"index entry is {len(buf)} bytes, expected {ENTRY_BYTES}")
     seg, off, rb, crc, lsn, pos, ns, codec, flags, _, raw = _ENTRY.unpack(buf)
     return BlockEntry(seg, off, rb, crc, lsn, pos, ns, codec, flags, raw)
+
+
+def entry_location(buf: bytes) -> tuple[int, int, int]:
+    """(segment_no, offset, record_bytes) of an encoded entry, without decoding the rest."""
+    if len(buf) != ENTRY_BYTES:
+        raise CorruptionError(f"index entry is {len(buf)} bytes, expected {ENTRY_BYTES}")
+    return _LOCATION.unpack_from(buf)
+
+
+def live_key(segment_no: int) -> bytes:
+    return LIVE_PREFIX + _U32.pack(segment_no)
+
+
+def decode_live_key(suffix: bytes) -> int:
+    """The segment number of an ``L`` key (its 4 bytes after the prefix)."""
+    if len(suffix) != _U32.size:
+        raise CorruptionError(f"index segment-live key has {len(suffix)} bytes after its prefix, expected 4")
+    return _U32.unpack(suffix)[0]
+
+
+def encode_segment_live(live_bytes: int, live_blocks: int) -> bytes:
+    return _SEGMENT_LIVE.pack(live_bytes, live_blocks)
+
+
+def decode_segment_live(buf: bytes) -> tuple[int, int]:
+    if len(buf) != _SEGMENT_LIVE.size:
+        raise CorruptionError(f"index segment-live value is {len(buf)} bytes, expected {_SEGMENT_LIVE.size}")
+    return _SEGMENT_LIVE.unpack(buf)
+
+
+def encode_lsn(lsn: int) -> bytes:
+    return _U64.pack(lsn)
+
+
+def decode_lsn(buf: bytes) -> int:
+    if len(buf) != _U64.size:
+        raise CorruptionError(f"index lsn value is {len(buf)} bytes, expected {_U64.size}")
+    return _U64.unpack(buf)[0]
 
 
 @dataclass(frozen=True)

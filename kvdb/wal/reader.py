@@ -81,10 +81,13 @@ class _FileFill:
     ``ready(n)`` blocks until the first n bytes are in. The scan checks record k while the
     device reads record k+1 (preadv and crc32c both release the GIL)."""
 
-    def __init__(self, fd: int, size: int) -> None:
+    def __init__(self, fd: int, size: int, skip_to: int = 0) -> None:
+        """``skip_to``: only the segment header and the bytes from there on are read (a scan
+        that starts at a checkpoint); the bytes between are never touched."""
         self.buf = mmap.mmap(-1, size)  # pages faulted in by the read itself, never zero-filled
         self.size = size
-        self.filled = 0  # bytes read so far; guarded by _cond
+        self.skip = (SEGMENT_HEADER_BYTES, skip_to) if skip_to > 2 * SEGMENT_HEADER_BYTES else None
+        self.filled = 0  # bytes read so far (a skipped span counts as read); guarded by _cond
         self.error: OSError | None = None
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._run, args=(os.dup(fd),), daemon=True,
@@ -96,10 +99,13 @@ class _FileFill:
         try:
             off = 0
             while off < self.size:
-                n = os.preadv(fd, [mv[off : off + _READ_CHUNK_BYTES]], off)
+                end = self.skip[0] if self.skip is not None and off < self.skip[0] else off + _READ_CHUNK_BYTES
+                n = os.preadv(fd, [mv[off:end]], off)
                 if n <= 0:
                     break
                 off += n
+                if self.skip is not None and off == self.skip[0]:
+                    off = min(self.skip[1], self.size)
                 with self._cond:
                     self.filled = off
                     self._cond.notify_all()
@@ -131,8 +137,9 @@ def map_file(path: str):
         return mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ)
 
 
-def read_file_ahead(path: str, fill_holder: list):
-    """The bytes of a whole file for one front-to-back scan. Files up to READ_WHOLE_MAX_BYTES are
+def read_file_ahead(path: str, fill_holder: list, start: int = 0):
+    """The bytes of a whole file for one front-to-back scan from ``start`` (the header is read
+    too; what lies between is not). Files up to READ_WHOLE_MAX_BYTES are
     read with large sequential reads by a helper thread (~3x faster than page-faulting through a
     file mmap on a cold cache); its ``_FileFill`` is appended to ``fill_holder`` so the caller
     scans behind the reads. Larger files are mapped. Close the result with ``.close()``."""
@@ -142,7 +149,7 @@ def read_file_ahead(path: str, fill_holder: list):
         if size == 0:
             return b""
         if size <= READ_WHOLE_MAX_BYTES:
-            fill = _FileFill(fd, size)
+            fill = _FileFill(fd, size, start)
             fill_holder.append(fill)
             return fill.buf
         m = mmap.mmap(fd, size, access=mmap.ACCESS_READ)
@@ -248,7 +255,7 @@ def scan_buffer(buf, segment_no: int, start: int | None = None, expect_lsn: int 
 def scan_segment(path: str, segment_no: int, start: int | None = None, expect_lsn: int | None = None,
                  keep_records: bool = True, on_record=None) -> SegmentScan:
     holder: list = []
-    buf = read_file_ahead(path, holder)
+    buf = read_file_ahead(path, holder, start or 0)
     fill = holder[0] if holder else None
     try:
         return scan_buffer(buf, segment_no, start, expect_lsn, keep_records, on_record, fill)
@@ -283,6 +290,44 @@ class SegmentSummary:
     metas: list[tuple[int, bytes, bytes]] = field(default_factory=list)  # (type, name, value), log order
 
 
+class _HeaderWalk:
+    """Hops from record header to record header of an open segment file through a read window
+    (``_SUMMARY_WINDOW_BYTES``; a large record's next header is read alone). ``records`` yields
+    (offset, record bytes, type, lsn, window, index of the header in it) while the headers are
+    sound (length under the limit, record inside ``end``, lsn as ``expect`` when given); it stops
+    at ``end`` with ``clean`` True, or at the first unsound header with ``clean`` False."""
+
+    def __init__(self, fd: int, start: int, end: int, expect: int | None) -> None:
+        self.fd, self.off, self.end, self.expect = fd, start, end, expect
+        self.win, self.win_off, self.big = b"", start, False
+        self.clean = False
+
+    def at(self, need: int) -> int:
+        """Make ``need`` bytes from the current offset readable in ``win``; their index in it."""
+        off = self.off
+        if off < self.win_off or off + need > self.win_off + len(self.win):
+            self.win = os.pread(self.fd, max(need, 4096 if self.big else _SUMMARY_WINDOW_BYTES), off)
+            self.win_off = off
+        return off - self.win_off
+
+    def records(self):
+        while self.off < self.end:
+            i = self.at(RECORD_HEADER_BYTES + KEY_BYTES)
+            if i + RECORD_HEADER_BYTES > len(self.win):
+                return
+            length, _crc, rtype, lsn = RECORD_HEADER.unpack_from(self.win, i)
+            nbytes = RECORD_HEADER_BYTES + length
+            if (self.expect is not None and lsn != self.expect) or length >= MAX_BODY_BYTES \
+                    or self.off + nbytes > self.end:
+                return
+            yield self.off, nbytes, rtype, lsn, self.win, i
+            self.off += nbytes
+            if self.expect is not None:
+                self.expect += 1
+            self.big = nbytes > _SUMMARY_WINDOW_BYTES // 16
+        self.clean = True
+
+
 def summarize_segment(path: str, segment_no: int) -> SegmentSummary:
     out = SegmentSummary(segment_no)
     puts: set[bytes] = set()
@@ -295,35 +340,15 @@ def summarize_segment(path: str, segment_no: int) -> SegmentSummary:
             return out
         if header.segment_no != segment_no:
             return out
-        expect = header.first_lsn
-        off = header.header_bytes
-        win, win_off = b"", off
-
-        big = False  # the last record was large: read the next header alone, not a window
-
-        def at(need: int) -> int:
-            """Make ``need`` bytes from ``off`` readable in ``win``; their index in it."""
-            nonlocal win, win_off
-            if off < win_off or off + need > win_off + len(win):
-                win = os.pread(fd, max(need, 4096 if big else _SUMMARY_WINDOW_BYTES), off)
-                win_off = off
-            return off - win_off
-
-        while off < size:
-            i = at(RECORD_HEADER_BYTES + KEY_BYTES)
-            if i + RECORD_HEADER_BYTES > len(win):
-                return out
-            length, _crc, rtype, lsn = RECORD_HEADER.unpack_from(win, i)
-            nbytes = RECORD_HEADER_BYTES + length
-            if lsn != expect or length >= MAX_BODY_BYTES or off + nbytes > size:
-                return out
+        walk = _HeaderWalk(fd, header.header_bytes, size, header.first_lsn)
+        for _off, nbytes, rtype, lsn, win, i in walk.records():
             if rtype == RecordType.PUT_BLOCK:
-                if length < KEY_BYTES or i + RECORD_HEADER_BYTES + KEY_BYTES > len(win):
+                if nbytes < RECORD_HEADER_BYTES + KEY_BYTES or i + RECORD_HEADER_BYTES + KEY_BYTES > len(win):
                     return out
                 puts.add(bytes(win[i + RECORD_HEADER_BYTES : i + RECORD_HEADER_BYTES + KEY_BYTES]))
             elif rtype == RecordType.DELETE or rtype in META_TYPES:
-                i = at(nbytes)
-                status, rec = check_record(win, i)
+                i = walk.at(nbytes)
+                status, rec = check_record(walk.win, i)
                 if status != "ok" or rec.lsn != lsn:
                     return out
                 try:
@@ -334,9 +359,30 @@ def summarize_segment(path: str, segment_no: int) -> SegmentSummary:
                         out.metas.append((rtype, bytes(name), bytes(value)))
                 except CorruptionError:
                     return out
-            off += nbytes
-            expect += 1
-            big = nbytes > _SUMMARY_WINDOW_BYTES // 16
+        if not walk.clean:
+            return out
     out.put_keys = frozenset(puts)
     out.complete = True
     return out
+
+
+def walk_puts(path: str, start: int, end: int, max_records: int) -> tuple[list[tuple[bytes, int, int]], int, bool]:
+    """The PUT records of a segment file from offset ``start`` (a record boundary) towards
+    ``end``, in log order, read from their headers alone (payloads not read, not checked: the
+    caller checks each against the index): ((key, offset, record bytes) of at most
+    ``max_records`` of them, the offset the walk stopped at, whether it stopped at a sound
+    boundary). The eviction order of a bounded store (kvdb/cold/live.py) and compaction's list
+    of a segment's blocks (kvdb/cold/compact.py) come from here."""
+    out: list[tuple[bytes, int, int]] = []
+    with open(path, "rb") as f:
+        walk = _HeaderWalk(f.fileno(), start, end, None)
+        for off, nbytes, rtype, _lsn, win, i in walk.records():
+            if rtype == RecordType.PUT_BLOCK:
+                if nbytes < RECORD_HEADER_BYTES + KEY_BYTES or i + RECORD_HEADER_BYTES + KEY_BYTES > len(win):
+                    return out, off, False
+                out.append((bytes(win[i + RECORD_HEADER_BYTES : i + RECORD_HEADER_BYTES + KEY_BYTES]), off, nbytes))
+                if len(out) >= max_records:
+                    return out, off + nbytes, True
+        return out, walk.off, walk.clean
+
+

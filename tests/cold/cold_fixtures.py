@@ -32,3 +32,25 @@ def write_manifest(path: Path, layout: BlockLayout = TINY) -> None:
     path.mkdir(parents=True, exist_ok=True)
     m = {"format": "kvdb-manifest", "version": 1, "layout": layout.to_dict(), "model_id": "test"}
     (path / "MANIFEST.json").write_text(json.dumps(m, sort_keys=True))
+
+
+def recount(locations) -> dict[int, list[int]]:
+    """Per-segment [live record bytes, live blocks] summed from (segment, record bytes) pairs."""
+    out: dict[int, list[int]] = {}
+    for seg, rb in locations:
+        t = out.setdefault(seg, [0, 0])
+        t[0] += rb
+        t[1] += 1
+    return out
+
+
+def assert_totals(store) -> None:
+    """The live set's per-segment totals are those of the live blocks (index and pending), and
+    the index's own (C7, kvdb/cold/apply.py) those of its entries."""
+    from kvdb.cold.recovery import load_totals
+
+    with store.queue.lock, store.writer.lock:
+        assert store.live.totals() == recount((seg, rb) for _k, seg, _off, rb in store.live.scan())
+        in_index = recount((e.segment_no, e.record_bytes) for _k, e in store.index.entries())
+        persisted = load_totals(store.index)
+        assert store.queue.applied == in_index == persisted, (store.queue.applied, in_index, persisted)

@@ -211,9 +211,10 @@ def test_a_bound_under_two_is_reached(tmp_path):
     s.close()
 
 
-def test_moved_blocks_keep_their_place_in_the_eviction_order(tmp_path):
-    # under disk_bytes the oldest written blocks go first; a compaction that moves old blocks
-    # to the head of the log must not make them younger than blocks written after them
+def test_eviction_follows_the_log_and_moved_blocks_count_from_their_copy(tmp_path):
+    # under disk_bytes the oldest records of the log go first (kvdb/cold/live.py): a block that
+    # compaction copied to the log's head is as young as its copy, younger than blocks written
+    # before the compaction
     s = _open(tmp_path / "c", max_space_amp=2.0, disk_bytes=64000)  # ~350 tiny records
     old = [key(i) for i in range(40)]
     hot = [key(1000 + i) for i in range(40)]
@@ -222,15 +223,22 @@ def test_moved_blocks_keep_their_place_in_the_eviction_order(tmp_path):
         s.put(hot, pages_for(hot, r), durability="group")
     middle = [key(2000 + i) for i in range(100)]  # written after the old ones, dense segments
     s.put(middle, pages_for(middle), durability="group")
+    before = s.writer.next_lsn
     out = s.maybe_compact()
     assert out is not None and out["records_copied"] >= 30  # the old blocks moved to the log's head
     assert s.stats()["evictions"] == 0
+    with s.writer.lock:
+        order = [c[0] for c in s.live.scan()]  # the live blocks in log order
+    moved = {k for k, e in zip(old, s.lookup(old)) if e.lsn >= before}
+    assert len(moved) >= 30 and set(order[-len(moved):]) == moved  # the copies are the youngest
     newer = [key(3000 + i) for i in range(220)]  # over the bound by ~47 blocks
     for i in range(0, len(newer), 20):
         s.put(newer[i:i + 20], pages_for(newer[i:i + 20]), durability="group")
-    assert 40 < s.stats()["evictions"] < 80
-    assert not any(s.contains(old))  # the oldest went first ...
-    assert all(s.contains(middle)) and all(s.contains(newer))  # ... not blocks written after them
+    evicted = s.stats()["evictions"]
+    assert 40 < evicted < 80
+    assert [not a for a in s.contains(order)] == [True] * evicted + [False] * (len(order) - evicted)
+    assert any(not a for a in s.contains(middle)) and all(s.contains(list(moved)))
+    assert all(s.contains(newer)) and s.stats()["bytes"] <= 64000
     s.close()
 
 

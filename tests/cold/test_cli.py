@@ -84,7 +84,8 @@ def test_bench_cold_json_reports_every_figure(tmp_path):
 def test_bench_scale_json_reports_ingest_and_open_figures_next_to_their_baselines(tmp_path):
     # issue 12 item 5: each figure with its same-run baseline (no timing asserted)
     r = run("bench", "scale", "--json", "--dir", str(tmp_path), "--total-mib", "1", "--batch-pages", "8",
-            "--get1-blocks", "2", "--repeats", "1", "--ingest-mib", "1", "--open-blocks", "100")
+            "--get1-blocks", "2", "--repeats", "1", "--ingest-mib", "1", "--open-blocks", "100",
+            "--open-large-blocks", "300")
     assert r.exit_code == 0, r.output
     res = json.loads(r.stdout)
     for size in ("4k", "64k"):
@@ -93,5 +94,7 @@ def test_bench_scale_json_reports_ingest_and_open_figures_next_to_their_baseline
                   "ingest_cpu_beyond_raw_us"):
             assert k in ing, k
         assert ing["blocks"] * ing["page_bytes"] >= 1 << 20
-    assert {"open_10k_s", "rocksdb_open_10k_s", "read_gbps", "raw_read_gbps", "ingest_goals"} <= set(res)
+    assert {"open_10k_s", "rocksdb_open_10k_s", "open_1m_s", "rocksdb_open_1m_s", "open_py_bytes_per_block",
+            "open_rss_bytes_per_block", "read_gbps", "raw_read_gbps", "ingest_goals"} <= set(res)
+    assert res["open_small_blocks"] == 100 and res["open_large_blocks"] == 300
     assert list(tmp_path.iterdir()) == []  # scratch files removed

@@ -161,7 +161,7 @@ def test_a_read_that_races_compaction_reads_the_moved_blocks(tmp_path):
     with ColdStore.open(tmp_path, TINY, segment_bytes=1024, flush_interval_s=None) as s:
         s.put(keys, pages_for(keys), None, "sync")
         s.delete([keys[0], keys[2], keys[5]], "sync")
-        assert {s.live.segment_of(k) for k in live} == {1, 2}
+        assert {e.segment_no for e in s.lookup(live)} == {1, 2}
         lookup, moved = s.lookup, []
 
         def lookup_then_compact(ks):
@@ -436,7 +436,7 @@ def test_damage_in_the_replayed_tail_is_not_taken_for_a_torn_tail(tmp_path, wher
     s.checkpoint()
     for k in keys[2:]:
         s.put([k], pages_for([k]), None, "sync")
-    victim = s.live.get(keys[4])
+    victim = s.lookup([keys[4]])[0]
     entry = s.lookup([keys[4]])[0]
     s.debug_crash_close()  # the index keeps its checkpoint: reopen replays the 6 records after it
     seg = tmp_path / "wal" / "00000001.log"
@@ -446,7 +446,7 @@ def test_damage_in_the_replayed_tail_is_not_taken_for_a_torn_tail(tmp_path, wher
         b = f.read(1)
         f.seek(at)
         f.write(bytes([b[0] ^ 0x04]))
-    assert victim[2] == 1
+    assert victim.segment_no == 1
     with ColdStore.open(tmp_path, TINY, flush_interval_s=None) as s:
         assert s.recovery.records_replayed >= 5 and s.recovery.torn_bytes == 0
         assert len(s.recovery.damage) == 1

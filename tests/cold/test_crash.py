@@ -23,7 +23,7 @@ import shutil
 
 import numpy as np
 import pytest
-from cold_fixtures import TINY, key, pages_for
+from cold_fixtures import TINY, assert_totals, key, pages_for
 
 from kvdb.cold import ColdStore
 from kvdb.errors import KvdbError
@@ -141,6 +141,7 @@ def test_workload_without_crash_reads_back(tmp_path):
     store = open_store(tmp_path / "db")
     try:
         assert observe(store) == want
+        assert_totals(store)
         assert sorted(want) == [KEYS[i] for i in (1, 2, 3, 4, 5, 6, 7, 9, 10, 11)]
         assert store.verify().ok
         assert store.stats()["segments_deleted"] >= 1  # compaction and checkpoints freed segments
@@ -190,6 +191,7 @@ def test_crash_at_every_io_point(tmp_path):
                         f"prefix at or beyond the {model.durable} acknowledged records")
             rep = store.verify()
             assert rep.ok, (point, mode, rollback, rep.problems)
+            assert_totals(store)  # the totals read back agree with the entries (C7)
         finally:
             store.close()
         rebuilt = rebuild_and_observe(path, then_put=True)

@@ -46,6 +46,8 @@ def golden_examples() -> dict[str, bytes]:
         "segment_example.log": header + put + delete + session + ttl + lease + ckpt,
         "index_entry.bin": entry,
         "index_checkpoint.bin": iv.encode_checkpoint(iv.Checkpoint(1, 32, 5)),
+        "index_segment_live.bin": iv.live_key(1) + iv.encode_segment_live(3 * 4149, 3),
+        "index_applied.bin": iv.APPLIED_KEY + iv.encode_lsn(5),
         "replication_slots.json": fs.encode_slots({"10.0.0.8:7070": 1790, "10.0.0.7:7070": 1843}),
         "replication_log_id": fs.encode_log_id("9f3a61c02be4d778"),
     }
@@ -83,6 +85,23 @@ def test_worked_example_of_a_put_record():
     e = iv.decode_entry((GOLDEN / "index_entry.bin").read_bytes())
     assert (e.segment_no, e.offset, e.record_bytes, e.crc, e.lsn, e.position, e.namespace_id, e.raw_bytes) == \
         (1, 32, 57, 0x11223344, 5, 3, 7, 4)
+
+
+def test_worked_example_of_the_live_totals():
+    # kvdb/format/index_value.py: segment 1 holds 3 live blocks of 4,149 record bytes; the
+    # index's Mapplied says lsn 5. Damaged values are CorruptionError, never numbers.
+    buf = (GOLDEN / "index_segment_live.bin").read_bytes()
+    assert buf[:5] == b"L\x01\x00\x00\x00" and buf[5:].hex(" ") == "9f 30 00 00 00 00 00 00 03 00 00 00 00 00 00 00"
+    assert iv.decode_live_key(buf[1:5]) == 1 and iv.decode_segment_live(buf[5:]) == (12447, 3)
+    applied = (GOLDEN / "index_applied.bin").read_bytes()
+    assert applied[:8] == b"Mapplied" and iv.decode_lsn(applied[8:]) == 5
+    for bad in (buf[5:-1], buf[5:] + b"\x00", b""):
+        with pytest.raises(CorruptionError):
+            iv.decode_segment_live(bad)
+    with pytest.raises(CorruptionError):
+        iv.decode_live_key(b"\x01\x00\x00")
+    with pytest.raises(CorruptionError):
+        iv.decode_lsn(b"\x05")
 
 
 def test_golden_segment_scans_to_its_records():

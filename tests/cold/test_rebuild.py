@@ -59,7 +59,7 @@ def delete_in_a_dead_segment(s: ColdStore) -> None:
     put(s, [N])
     put(s, [P])
     s.delete([M, N], "sync")
-    assert {k: s.live.segment_of(k) for k in s.live.keys()} == {L: 1, P: 3}
+    assert {k: seg for k, seg, _off, _rb in s.live.scan()} == {L: 1, P: 3}
 
 
 @pytest.mark.parametrize("gc", ["checkpoint", "compact"])
@@ -111,7 +111,7 @@ def test_eviction_in_a_collected_segment_stays_evicted(tmp_path):
         put(s, [K, L])
         put(s, [M])
         put(s, [N])  # evicts K: segment 2 holds PUT M, DELETE K, PUT N
-        assert {k: s.live.segment_of(k) for k in s.live.keys()} == {L: 1, M: 2, N: 2}
+        assert {k: seg for k, seg, _off, _rb in s.live.scan()} == {L: 1, M: 2, N: 2}
         s.delete([M, N], "sync")
         put(s, [P])  # segment 3
         s.checkpoint()

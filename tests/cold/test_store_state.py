@@ -23,7 +23,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from kvdb.cold import ColdStore
 from kvdb.cold.compact import compact
 
-from cold_fixtures import TINY, key, pages_for
+from cold_fixtures import TINY, assert_totals, key, pages_for
 
 KEYS = [key(i) for i in range(1, 9)]
 CAPACITY = 5  # blocks
@@ -144,6 +144,10 @@ class ColdStoreMachine(RuleBasedStateMachine):
                 assert self.store.find_metadata(kind, name) == self.metas.get((kind, name))
         for k in KEYS:
             assert self.store.find_metadata("ttl", k) == self.metas.get(("ttl", k))
+
+    @invariant()
+    def live_totals_agree(self):
+        assert_totals(self.store)
 
 
 TestColdStoreState = ColdStoreMachine.TestCase
