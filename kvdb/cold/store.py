@@ -335,9 +335,10 @@ class ColdStore:
         return [bytes(k) for k in keys]
 
     def put(self, keys, pages: np.ndarray, positions=None, durability: str | None = None,
-            namespace_id: int = 0) -> None:
+            namespace_id: int = 0, if_absent: bool = False) -> list[bool] | None:
         """Store pages (uint8 [n, page_bytes], C-contiguous, CPU) under keys; returns when they
-        are as durable as ``durability`` asks ("none" | "group" | "sync")."""
+        are as durable as ``durability`` asks ("none" | "group" | "sync"). ``if_absent``: keys
+        already stored are left as they are; returns which keys were written."""
         self.check_writable()
         durability = _check_durability(durability or self.default_durability)
         keys = self._validate_keys(keys)
@@ -351,9 +352,9 @@ class ColdStore:
             raise InvalidInput(f"{len(positions)} positions for {len(keys)} keys")
         if len(set(keys)) != len(keys):
             raise InvalidInput("a put batch names the same key twice")
-        if not keys:
-            return
-        items = self.appender.encode(keys, pages, positions, namespace_id)
+        items, written = self.appender.encode_new(keys, pages, positions, namespace_id, if_absent)
+        if items is None:  # nothing to write
+            return written
         if durability == "group":
             durable = self.commit.commit(items)
             if durable is not None:  # this thread led the round: the index, see APPLY_BATCH
@@ -361,9 +362,9 @@ class ColdStore:
                     self.queue.apply(durable)
                 else:
                     self.queue.notify(durable)  # durable in the log, its index update still queued
-            return
-        last = self.appender.append_puts(items)
-        self._make_durable(last, durability)
+            return written
+        self._make_durable(self.appender.append_puts(items), durability)
+        return written
 
     def note_delete(self, lsn: int, keys: list[bytes]) -> None:
         """Caller holds writer.lock: the keys of an appended DELETE record are gone."""

@@ -53,9 +53,10 @@ INLINE_PAGE_BYTES = 1024
 class PutRows:
     """A put batch of raw, unsealed pages, encoded at once (``LogAppender.encode``)."""
 
-    __slots__ = ("keys", "rows", "payloads", "positions", "namespace_id", "page_bytes")
+    __slots__ = ("keys", "rows", "payloads", "positions", "namespace_id", "page_bytes", "olds", "olds_lsn")
 
     def __init__(self, keys, rows, payloads, positions, namespace_id: int, page_bytes: int) -> None:
+        self.olds = self.olds_lsn = None  # see LogAppender.encode_new
         self.keys = keys  # list[bytes]
         self.rows = rows  # uint8 [n, 53] or [n, 53 + page_bytes] (put_rows)
         self.payloads = payloads  # uint8 [n, page_bytes] when not inside rows, else None
@@ -74,6 +75,13 @@ class PutRows:
         """The batch from its ``start``-th block on."""
         return PutRows(self.keys[start:], self.rows[start:], None if self.payloads is None else self.payloads[start:],
                        self.positions[start:], self.namespace_id, self.page_bytes)
+
+
+class PutItems(list):
+    """A put batch of (key, fixed PUT fields, payload) items (codecs, sealing) that may carry the
+    old locations of its keys (``LogAppender.encode_new``)."""
+
+    olds = olds_lsn = None
 
 
 class LogAppender:
@@ -109,6 +117,39 @@ class LogAppender:
             items.append((key, fixed, payload))
         return items
 
+    def encode_new(self, keys: list[bytes], pages, positions, namespace_id: int, if_absent: bool):
+        """``encode``, and with ``if_absent`` the keys already live left out first: (the batch,
+        None when nothing is left; which keys are written, None without ``if_absent``). The one
+        lookup of their locations travels with the batch: the append uses it unless the log
+        changed since (``_olds``), so a put of new keys asks RocksDB once, not twice."""
+        if not keys:
+            return None, [] if if_absent else None
+        if not if_absent:
+            return self.encode(keys, pages, positions, namespace_id), None
+        st = self.store
+        with st.writer.lock:  # no append half done: its pending entries are all published
+            seen = st.writer.next_lsn
+        olds = st.live.locate(keys)
+        written = [o is None for o in olds]
+        if not all(written):
+            keys = [k for k, w in zip(keys, written) if w]
+            pages = pages[np.asarray(written)]
+            positions = None if positions is None else [p for p, w in zip(positions, written) if w]
+        if not keys:
+            return None, written
+        items = self.encode(keys, pages, positions, namespace_id)
+        if isinstance(items, list):
+            items = PutItems(items)
+        items.olds, items.olds_lsn = [None] * len(keys), seen
+        return items, written
+
+    def _olds(self, items, keys: list[bytes]) -> list:
+        """Caller holds writer.lock: the old locations of a batch's keys, looked up again unless
+        the batch carries them from a moment the log has not changed since."""
+        if items.olds is not None and items.olds_lsn == self.store.writer.next_lsn:
+            return items.olds
+        return self.store.live.locate(keys)
+
     def append_puts(self, items: list) -> int:
         """Append one put batch (evicting first under ``disk_bytes``); returns the last lsn."""
         st = self.store
@@ -118,7 +159,7 @@ class LogAppender:
             if isinstance(items, PutRows):
                 return self._append_rows(items)
             keys = [k for k, _f, _p in items]
-            olds = st.live.locate(keys)
+            olds = self._olds(items, keys) if isinstance(items, PutItems) else st.live.locate(keys)
             evict: list[bytes] = []
             if st.disk_bytes is not None:
                 sizes = [RECORD_HEADER_BYTES + len(f) + buffer_bytes(p) for _k, f, p in items]
@@ -161,7 +202,7 @@ class LogAppender:
         st = self.store
         w = st.writer
         rbytes = batch.record_bytes
-        olds = st.live.locate(batch.keys)
+        olds = self._olds(batch, batch.keys)
         if st.disk_bytes is not None:
             dropped, evict, evict_olds = st.live.plan_evictions([rbytes] * len(batch), batch.keys, olds, st.disk_bytes)
             if dropped:

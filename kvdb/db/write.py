@@ -101,18 +101,24 @@ class WriteMixin:
                         fresh.append(i)
                     elif durability != "none" and pool.is_dirty(k):
                         persist.append(i)
+        if place is None:  # disk only (the disk tier exists: _check_durability): it skips what it holds, one lookup
+            rows = fresh + persist
+            if not rows:
+                return 0
+            written = self._cold_call(self._cold.put, [keys[i] for i in rows],
+                                      np.ascontiguousarray(pages_of(rows).cpu().numpy()), [pos[i] for i in rows],
+                                      durability, if_absent=True)
+            return sum(written[: len(fresh)])
         on_disk = [False] * len(fresh)
         if self._cold is not None and fresh:
             on_disk = self._cold_call(self._cold.contains, [keys[i] for i in fresh])
         new = [i for i, d in zip(fresh, on_disk) if not d]
         written = False
-        if (durability != "none" or place is None) and (new or persist):
+        if durability != "none" and (new or persist):
             rows = new + persist
             self._cold_call(self._cold.put, [keys[i] for i in rows], np.ascontiguousarray(pages_of(rows).cpu().numpy()),
                             [pos[i] for i in rows], durability)
             written = True
-        if place is None:
-            return len(new)
         with self._lock:
             self._check()
             pool.mark_clean([keys[i] for i in persist])  # now on disk: clean wherever the page lives
