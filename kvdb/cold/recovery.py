@@ -149,12 +149,17 @@ class _Replay:
         self.index, self.after, self.totals = index, after, totals
         self.ops: list = []
         self.last = None
+        self.applied = 0  # records after ``after`` with index writes
 
     def __call__(self, segment_no, rec) -> None:
         if rec.lsn <= self.after:
             return  # the index holds it already (C7)
-        self.ops.extend(index_ops(segment_no, rec.offset, rec.rtype, rec.lsn, rec.crc, rec.body))
+        ops = index_ops(segment_no, rec.offset, rec.rtype, rec.lsn, rec.crc, rec.body)
+        if not ops:
+            return  # a CHECKPOINT record
+        self.ops.extend(ops)
         self.last = rec.lsn
+        self.applied += 1
         if len(self.ops) >= REPLAY_BATCH:
             self.flush()
 
@@ -203,7 +208,9 @@ def replay(index, fs, wal_dir: str, repair: bool = True) -> tuple[iv.Checkpoint 
         raise StorageIOError(f"recovery of {wal_dir} failed: {e}") from e
     if not legacy:
         apply.flush()
+        result.records_applied = apply.applied
         return checkpoint, result, apply.totals
+    result.records_applied = result.records_replayed
     index.write(batch)
     totals = _scan_totals(index)
     index.write([*live_ops(totals, set(totals)), (iv.APPLIED_KEY, iv.encode_lsn(result.next_lsn - 1))])

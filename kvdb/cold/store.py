@@ -215,7 +215,7 @@ class ColdStore:
                                   on_durable=self.queue.apply, native_commit=native_commit)
         self.ckpt = Checkpointer(self, checkpoint_lsn=checkpoint.applied_lsn if checkpoint else 0,
                                  checkpoint_bytes=checkpoint_bytes, max_space_amp=max_space_amp)
-        if (r.records_replayed or r.torn_bytes) and not self.read_only:
+        if (r.records_applied or r.torn_bytes) and not self.read_only:  # not for CHECKPOINT records alone
             self.ckpt.checkpoint_locked()
 
     def close(self) -> None:

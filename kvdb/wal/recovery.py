@@ -37,6 +37,7 @@ class RecoveryResult:
     offset: int  # its append offset; 0 = create this segment
     next_lsn: int
     records_replayed: int = 0
+    records_applied: int = 0  # of those, records that changed the index (set by the caller's apply)
     bytes_replayed: int = 0
     torn_bytes: int = 0  # truncated from the tail
     segments: list[int] = field(default_factory=list)
