@@ -16,7 +16,8 @@ from helpers import LAYOUT, PAGE, blocks_for
 
 import kvdb
 from kvdb.buffer_pool.arena import Arena
-from kvdb.errors import NotFound
+from kvdb.buffer_pool.pool import HOST
+from kvdb.errors import CapacityError, NotFound
 
 
 def _addr(buf) -> tuple[int, int]:
@@ -152,3 +153,51 @@ def test_staged_reads_copy_each_run_once(tmp_path, monkeypatch):
         again = torch.zeros((3, *LAYOUT.block_shape))
         db.delete([keys[1]])
         assert db.get_prefix([keys[0], keys[1], keys[2]], again) == 1 and torch.equal(again[0], b[0])
+
+
+@pytest.mark.parametrize("how", ["pin", "prefetch"])
+def test_pin_and_prefetch_read_disk_pages_into_host_frames(tmp_path, monkeypatch, how):
+    # Scenario: 6 blocks on disk, pinned (or prefetched): each page is read straight into a
+    # host-arena frame lent for it (pool P6), no staging buffer and no arena write; the pinned
+    # views hold the exact bytes. A key stored nowhere ends a prefix pin and its frame goes back.
+    with kvdb.open(tmp_path, layout=LAYOUT, model_id="m", host_bytes=16 * PAGE) as db:
+        keys = db.block_keys(list(range(6 * LAYOUT.block_tokens)))
+        b = blocks_for(6, seed=9)
+        db.put_blocks(keys, b, tier="disk", durability="group")
+        spy = Spy(db, monkeypatch)
+        arena = db.pool.host_arena()
+        if how == "pin":
+            with db.pin(keys) as pinned:
+                assert all(torch.equal(p, b[i]) for i, p in enumerate(pinned.pages))
+        else:
+            assert db.prefetch(keys) == 6
+        assert all(k in db.pool for k in keys)
+        assert len(spy.pages_read) == 6 and all(_inside(a, n, arena) for a, n in spy.pages_read)
+        assert spy.arena_srcs == []  # nothing copied into the arena: the reads landed there
+        out = torch.zeros((6, *LAYOUT.block_shape))
+        db.get_blocks(keys, out)
+        assert torch.equal(out, b) and len(spy.pages_read) == 6  # served from memory
+        if how == "pin":
+            other = db.block_keys(list(range(500, 500 + 2 * LAYOUT.block_tokens)))
+            db.put_blocks(other[:1], blocks_for(1, seed=2), tier="disk", durability="group")
+            free = len(db.pool.tiers[HOST].free)
+            with db.pin(other, prefix=True) as pinned:
+                assert len(pinned.pages) == 1 and torch.equal(pinned.pages[0], blocks_for(1, seed=2)[0])
+            assert len(db.pool.tiers[HOST].free) == free - 1  # the missing key's frame was given back
+
+
+def test_a_full_host_tier_falls_back_to_a_staging_read(tmp_path, monkeypatch):
+    # every host frame but one pinned: the 2 disk pages cannot each get a frame, so they are
+    # read through a staging buffer and inserted (what fits); the pin then reports the shortage
+    with kvdb.open(tmp_path, layout=LAYOUT, model_id="m", host_bytes=4 * PAGE) as db:
+        keys = db.block_keys(list(range(5 * LAYOUT.block_tokens)))
+        b = blocks_for(5, seed=4)
+        db.put_blocks(keys[:3], b[:3])
+        db.put_blocks(keys[3:], b[3:], tier="disk", durability="group")
+        with db.pin(keys[:3]):
+            spy = Spy(db, monkeypatch)
+            with pytest.raises(CapacityError):
+                db.pin(keys[3:])
+            assert len(spy.pages_read) == 2 and not any(_inside(a, n, db.pool.host_arena()) for a, n in spy.pages_read)
+        with db.pin(keys[3:]) as pinned:
+            assert all(torch.equal(p, b[3 + i]) for i, p in enumerate(pinned.pages))

@@ -139,12 +139,33 @@ class ReadMixin:
         return found, src, src_rows
 
     def _load_from_disk(self, keys: list[bytes]) -> tuple[list[bytes], list[bytes]]:
-        """Read keys from the disk tier into memory (promotion). Returns (loaded, missing)."""
-        buf, found = self._read_disk(keys)
-        ok = [i for i, f in enumerate(found) if f]
-        loaded = [keys[i] for i in ok]
-        self._promote_from_disk(loaded, torch.from_numpy(buf), ok)
-        return loaded, [keys[i] for i, f in enumerate(found) if not f]
+        """Read keys from the disk tier into memory (promotion; caller holds the lock). Returns
+        (loaded, missing). The pages are read straight into host frames lent for them (pool
+        P6: one copy, none through a staging buffer); when the host tier cannot lend one frame
+        a key (every other frame pinned), through a staging buffer and ``insert``, which places
+        what fits."""
+        keys = list(dict.fromkeys(keys))
+        pool = self.pool
+        try:
+            frames = pool.reserve_host_frames(len(keys)) if keys and self._cold is not None else None
+        except CapacityError:
+            frames = None
+        if frames is None:
+            buf, found = self._read_disk(keys)
+            ok = [i for i, f in enumerate(found) if f]
+            loaded = [keys[i] for i in ok]
+            self._promote_from_disk(loaded, torch.from_numpy(buf), ok)
+            return loaded, [keys[i] for i, f in enumerate(found) if not f]
+        try:
+            found = self._cold_call(self._cold.get_into, keys, pool.host_arena().numpy(), frames)
+        except BaseException:
+            pool.release_host_frames(frames)
+            raise
+        self._disk_reads += sum(found)
+        loaded = [k for k, f in zip(keys, found) if f]
+        pool.commit_host_frames(loaded, [fr for fr, f in zip(frames, found) if f], [-1] * len(loaded), dirty=False)
+        pool.release_host_frames([fr for fr, f in zip(frames, found) if not f])
+        return loaded, [k for k, f in zip(keys, found) if not f]
 
     def get_blocks(self, keys, out: torch.Tensor, *, ctx: AccessContext | None = None) -> None:
         """Copy the blocks of ``keys`` into ``out[:len(keys)]`` bit-exact; NotFound names absent keys.
