@@ -9,7 +9,9 @@ Checks, in order:
    sealed segment;
 3. every index entry: its segment exists, the record at its offset has the entry's length,
    crc, type, lsn and key, and its payload decodes (and authenticates) to a whole page;
-4. RocksDB itself: the full scan of steps 3 reads every block with checksums on.
+4. RocksDB itself: the full scan of steps 3 reads every block with checksums on;
+5. the per-segment live totals the index holds (C7, kvdb/cold/apply.py): the sums of its
+   entries, segment by segment (what the next open would start from).
 
 Clean means no problem at all; ``kvdb verify`` exits 3 otherwise.
 """
@@ -20,6 +22,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from kvdb.cold.recovery import load_totals
 from kvdb.errors import KvdbError
 from kvdb.wal.reader import scan_segment
 
@@ -73,9 +76,13 @@ def verify(store, progress=None, live_writer: bool = False) -> VerifyReport:
             if progress is not None:
                 progress(done, total)
     scratch = np.empty((1, store.page_bytes), dtype=np.uint8)
+    sums: dict[int, list[int]] = {}
     try:
         for key, e in store.index.entries():
             rep.entries += 1
+            t = sums.setdefault(e.segment_no, [0, 0])
+            t[0] += e.record_bytes
+            t[1] += 1
             if e.segment_no not in sizes:
                 rep.problems.append(f"block {key.hex()}: its segment {e.segment_no} is missing")
                 continue
@@ -87,6 +94,12 @@ def verify(store, progress=None, live_writer: bool = False) -> VerifyReport:
             if ok is not True:
                 rep.problems.append(f"block {key.hex()}: record at segment {e.segment_no} offset {e.offset} "
                                     "fails its checks")
+        held = load_totals(store.index)
+        for seg in sorted(set(held) | set(sums)):
+            if held.get(seg, [0, 0]) != sums.get(seg, [0, 0]):
+                (hb, hn), (eb, en) = held.get(seg, [0, 0]), sums.get(seg, [0, 0])
+                rep.problems.append(f"index: the live totals of segment {seg} say {hn} blocks of {hb} bytes, its "
+                                    f"entries {en} of {eb}; remove the index/ directory to rebuild it from the log")
     except KvdbError as exc:
         rep.problems.append(f"index: {exc}")
     return rep

@@ -154,3 +154,16 @@ def test_a_lookup_the_log_outran_is_made_again(tmp_path, codec):
         s.flush()
         assert s.stats()["pages"] == 5 and s.stats()["bytes"] == 5 * s.lookup(keys)[0].record_bytes
         assert_totals(s)
+
+
+def test_verify_reports_totals_that_disagree_with_the_entries(tmp_path):
+    keys = _fill(tmp_path, 600)
+    with _open(tmp_path) as s:
+        assert s.verify().ok
+        (e,) = s.lookup(keys[:1])
+        s.index.write([(iv.live_key(e.segment_no), iv.encode_segment_live(5, 1))])  # a damaged total
+        rep = s.verify()
+        assert not rep.ok and any(f"live totals of segment {e.segment_no}" in p for p in rep.problems)
+    shutil.rmtree(tmp_path / "index")  # the remedy: rebuilt from the log
+    with _open(tmp_path) as s:
+        assert s.verify().ok and s.stats()["pages"] == 600

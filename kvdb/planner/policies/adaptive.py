@@ -239,7 +239,8 @@ class AdaptiveReplacer(Replacer):
             # when it needs a frame in the engine), down to their share of what stays resident
             cap = max(1, int(self._resident * self.rate))
             for m in self._minis.values():
-                m.trim(cap)
+                if len(m.table) > cap:  # most evictions of a burst leave the minis within their share
+                    m.trim(cap)
         return f
 
     def _forget(self, f: int) -> None:
