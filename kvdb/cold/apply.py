@@ -38,6 +38,7 @@ from __future__ import annotations
 import collections
 import threading
 
+from kvdb.errors import CorruptionError
 from kvdb.format import index_value as iv
 from kvdb.format.record import META_TYPES, RECORD_HEADER_BYTES, RecordType, decode_delete, decode_meta, decode_put
 
@@ -62,8 +63,10 @@ def live_ops(applied: dict[int, list[int]], segments) -> list[tuple[bytes, bytes
     ops = []
     for seg in sorted(segments):
         nbytes, nblocks = applied.get(seg, (0, 0))
-        if nblocks < 0 or nbytes < 0:
-            raise AssertionError(f"segment {seg} would hold {nblocks} live blocks of {nbytes} bytes")
+        if nblocks < 0 or nbytes < 0:  # the totals the index held disagreed with its entries
+            raise CorruptionError(f"the index's live totals of segment {seg} come to {nblocks} blocks of {nbytes} "
+                                  "bytes: they disagree with its entries; run `kvdb verify`, then remove the "
+                                  "index/ directory to rebuild it from the log")
         ops.append((iv.live_key(seg), iv.encode_segment_live(nbytes, nblocks) if nblocks else None))
         if not nblocks:
             applied.pop(seg, None)

@@ -13,6 +13,7 @@ import pytest
 from kvdb.cold import ColdStore
 from kvdb.cold import index as index_module
 from kvdb.cold.index import Index
+from kvdb.errors import CorruptionError
 from kvdb.format import index_value as iv
 
 from cold_fixtures import TINY, assert_totals, key, pages_for
@@ -167,3 +168,27 @@ def test_verify_reports_totals_that_disagree_with_the_entries(tmp_path):
     shutil.rmtree(tmp_path / "index")  # the remedy: rebuilt from the log
     with _open(tmp_path) as s:
         assert s.verify().ok and s.stats()["pages"] == 600
+
+
+def test_totals_that_would_go_negative_are_corruption_not_a_crash(tmp_path):
+    # a damaged total (1 block where hundreds live) and a replay that deletes 2 of that
+    # segment's blocks: the open refuses with CorruptionError naming the remedy
+    keys = _fill(tmp_path, 600)
+    s = _open(tmp_path)
+    (e,) = s.lookup(keys[:1])
+    s.index.copy_to(str(tmp_path / "snap"))  # the index as a crash could leave it: before the delete
+    s.delete(keys[:2], durability="sync")
+    s.debug_crash_close()
+    shutil.rmtree(tmp_path / "index")
+    shutil.copytree(tmp_path / "snap", tmp_path / "index")
+    idx = Index(str(tmp_path / "index"))
+    try:
+        idx.write([(iv.live_key(e.segment_no), iv.encode_segment_live(5, 1))])
+        idx.flush()
+    finally:
+        idx.close()
+    with pytest.raises(CorruptionError, match="live totals of segment"):
+        _open(tmp_path)
+    shutil.rmtree(tmp_path / "index")
+    with _open(tmp_path) as s:
+        assert s.stats()["pages"] == 598 and s.verify().ok
