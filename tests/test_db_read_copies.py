@@ -201,3 +201,18 @@ def test_a_full_host_tier_falls_back_to_a_staging_read(tmp_path, monkeypatch):
             assert len(spy.pages_read) == 2 and not any(_inside(a, n, db.pool.host_arena()) for a, n in spy.pages_read)
         with db.pin(keys[3:]) as pinned:
             assert all(torch.equal(p, b[3 + i]) for i, p in enumerate(pinned.pages))
+
+
+def test_a_load_of_keys_stored_nowhere_evicts_nothing(tmp_path):
+    # prefetch / pin of keys on no tier: no host frame is lent for them, so no resident page is
+    # evicted to make room for a page that does not exist
+    with kvdb.open(tmp_path, layout=LAYOUT, model_id="m", host_bytes=4 * PAGE) as db:
+        keys = db.block_keys(list(range(4 * LAYOUT.block_tokens)))
+        db.put_blocks(keys, blocks_for(4, seed=1))
+        ghosts = db.block_keys(list(range(900, 900 + 3 * LAYOUT.block_tokens)))
+        disk = db.block_keys(list(range(700, 700 + LAYOUT.block_tokens)))
+        db.put_blocks(disk, blocks_for(1, seed=6), tier="disk", durability="group")
+        assert db.prefetch(ghosts) == 0
+        assert all(k in db.pool for k in keys)  # nothing evicted for the ghosts
+        assert db.prefetch(ghosts + disk) == 1  # one frame lent: the one stored key's
+        assert sum(k in db.pool for k in keys) == 3 and disk[0] in db.pool

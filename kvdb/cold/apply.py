@@ -166,7 +166,8 @@ class IndexQueue:
     def pending_locations(self) -> dict[bytes, tuple[int, int, int] | None]:
         """(segment, offset, record bytes) of every key with a queued update (None: deleted)."""
         loc = iv.entry_location
-        return {k: None if v is None else loc(v) for k, (_lsn, v) in self._pending.items()}
+        items = tuple(self._pending.items())  # one step under the GIL: appends may run (no writer.lock)
+        return {k: None if v is None else loc(v) for k, (_lsn, v) in items}
 
     def locate(self, keys: list[bytes]) -> list[tuple[int, int, int] | None]:
         """(segment, offset, record bytes) of each live one of ``keys``, None for the others."""

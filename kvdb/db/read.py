@@ -145,9 +145,14 @@ class ReadMixin:
         a key (every other frame pinned), through a staging buffer and ``insert``, which places
         what fits."""
         keys = list(dict.fromkeys(keys))
+        if self._cold is None or not keys:
+            return [], keys
+        stored = self._cold_call(self._cold.contains, keys)  # no frame (no eviction) for a key stored nowhere
+        absent = [k for k, s in zip(keys, stored) if not s]
+        keys = [k for k, s in zip(keys, stored) if s]
         pool = self.pool
         try:
-            frames = pool.reserve_host_frames(len(keys)) if keys and self._cold is not None else None
+            frames = pool.reserve_host_frames(len(keys)) if keys else None
         except CapacityError:
             frames = None
         if frames is None:
@@ -155,7 +160,7 @@ class ReadMixin:
             ok = [i for i, f in enumerate(found) if f]
             loaded = [keys[i] for i in ok]
             self._promote_from_disk(loaded, torch.from_numpy(buf), ok)
-            return loaded, [keys[i] for i, f in enumerate(found) if not f]
+            return loaded, absent + [keys[i] for i, f in enumerate(found) if not f]
         try:
             found = self._cold_call(self._cold.get_into, keys, pool.host_arena().numpy(), frames)
         except BaseException:
@@ -165,7 +170,7 @@ class ReadMixin:
         loaded = [k for k, f in zip(keys, found) if f]
         pool.commit_host_frames(loaded, [fr for fr, f in zip(frames, found) if f], [-1] * len(loaded), dirty=False)
         pool.release_host_frames([fr for fr, f in zip(frames, found) if not f])
-        return loaded, [k for k, f in zip(keys, found) if not f]
+        return loaded, absent + [k for k, f in zip(keys, found) if not f]
 
     def get_blocks(self, keys, out: torch.Tensor, *, ctx: AccessContext | None = None) -> None:
         """Copy the blocks of ``keys`` into ``out[:len(keys)]`` bit-exact; NotFound names absent keys.
