@@ -159,6 +159,10 @@ def sha256_chain(seed: bytes, tokens: np.ndarray, block_tokens: int) -> bytes:
 # ---------------------------------------------------------------- page copies
 
 
+#: frame lists up to this long are bounds-checked in Python (a numpy min/max costs ~3 us each)
+SMALL_FRAME_LISTS = 64
+
+
 def _check_copy(dst, dst_frames, src, src_frames, page_bytes: int):
     """Frames as int64 arrays (or None) and the page count, after the bounds checks that keep
     the native memcpy inside both buffers."""
@@ -175,8 +179,14 @@ def _check_copy(dst, dst_frames, src, src_frames, page_bytes: int):
     n = df.size if df is not None else sf.size
     for name, buf, frames in (("dst", dst, df), ("src", src, sf)):
         num_pages = memoryview(buf).nbytes // page_bytes
-        hi = n if frames is None else (int(frames.max()) + 1 if n else 0)
-        if (frames is not None and n and int(frames.min()) < 0) or hi > num_pages:
+        if frames is None or not n:
+            lo, hi = 0, n
+        elif n <= SMALL_FRAME_LISTS:  # numpy's reductions cost more than the copy of one page
+            listed = frames.tolist()
+            lo, hi = min(listed), max(listed) + 1
+        else:
+            lo, hi = int(frames.min()), int(frames.max()) + 1
+        if lo < 0 or hi > num_pages:
             raise InvalidInput(f"copy_pages {name} frames outside the {num_pages} pages of the buffer")
     return df, sf, n
 

@@ -265,7 +265,7 @@ def carry_forward(store, dead: list[int], segments: list[int]) -> list[int]:
         locs = w.append(records)
         ndel = len(records) - len(meta_ops)
         for j in range(ndel):
-            store.note_delete(locs[j].lsn, keys[j * CARRY_KEYS : (j + 1) * CARRY_KEYS])
+            store.appender.note_delete(locs[j].lsn, keys[j * CARRY_KEYS : (j + 1) * CARRY_KEYS])
         for loc, (ikey, value) in zip(locs[ndel:], meta_ops):
             store.queue.metadata(loc.lsn, ikey, value)
         store.ckpt.log_bytes += sum(loc.record_bytes for loc in locs)

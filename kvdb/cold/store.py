@@ -366,10 +366,6 @@ class ColdStore:
         self._make_durable(self.appender.append_puts(items), durability)
         return written
 
-    def note_delete(self, lsn: int, keys: list[bytes]) -> None:
-        """Caller holds writer.lock: the keys of an appended DELETE record are gone."""
-        self.appender.note_delete(lsn, keys)
-
     def delete(self, keys, durability: str | None = None) -> int:
         """Delete blocks (absent keys are ignored); returns how many were live."""
         self.check_writable()
@@ -420,17 +416,18 @@ class ColdStore:
 
     def contains(self, keys) -> list[bool]:
         self.check()
-        keys = list(keys)
-        return self.live.contains(keys if set(map(type, keys)) <= {bytes} else [bytes(k) for k in keys])
+        return self.live.contains([k if type(k) is bytes else bytes(k) for k in keys])
 
     def lookup(self, keys: list[bytes]) -> list[iv.BlockEntry | None]:
         """Index entries of ``keys`` (queued ones first), None for a key not live."""
+        self.check()
         return self.queue.lookup(keys)
 
-    def get_into(self, keys, out: np.ndarray, rows=None) -> list[bool]:
+    def get_into(self, keys, out: np.ndarray, rows=None, entries=None) -> list[bool]:
         """Read pages into ``out`` rows (uint8 [m, page_bytes]): key i into ``out[rows[i]]``
         (rows default 0..n-1, then m >= n), read there directly (no staging copy). False = miss:
-        absent, or damaged (C3: counted in ``corruptions``, the row zeroed, never wrong bytes)."""
+        absent, or damaged (C3: counted in ``corruptions``, the row zeroed, never wrong bytes);
+        ``entries``: the keys' ``lookup`` if the caller just made it (a moved block: looked up again)."""
         self.check()
         keys = self._validate_keys(keys)
         if rows is None:
@@ -442,7 +439,7 @@ class ColdStore:
                 or out.shape[1] != self.page_bytes or out.shape[0] < top or not out.flags.c_contiguous \
                 or min(rows, default=0) < 0:
             raise InvalidInput(f"out must be a C-contiguous uint8 numpy array [>= {top}, {self.page_bytes}]")
-        results = self.reader.read_into(keys, self.lookup(keys), out, rows)
+        results = self.reader.read_into(keys, self.lookup(keys) if entries is None else entries, out, rows)
         found = [False] * len(keys)
         hits = misses = bad = 0
         for i, ok in enumerate(results):

@@ -121,14 +121,15 @@ class ReadMixin:
         """Whether disk reads can land in ``dst`` itself (CPU memory), not a staging buffer."""
         return dst.device.type == "cpu"
 
-    def _read_disk_into(self, keys: list[bytes], dst: torch.Tensor, rows: list[int]) -> tuple[list[bool], torch.Tensor, list[int]]:
-        """Read keys from the disk tier into ``dst[rows[i]]`` with one copy. Returns (found,
-        src, src_rows): the host tensor and rows holding the pages, to promote from."""
+    def _read_disk_into(self, keys: list[bytes], dst: torch.Tensor, rows: list[int],
+                        entries: list) -> tuple[list[bool], torch.Tensor, list[int]]:
+        """Read keys (at ``entries``, their disk tier lookup) into ``dst[rows[i]]`` with one copy.
+        Returns (found, src, src_rows): the host tensor and rows holding the pages, to promote from."""
         if self._reads_in_place(dst):
             src, src_rows = dst, rows
         else:
             src, src_rows = self._stage(len(keys)), list(range(len(keys)))
-        found = self._cold_call(self._cold.get_into, keys, src.detach().numpy(), src_rows)
+        found = self._cold_call(self._cold.get_into, keys, src.detach().numpy(), src_rows, entries)
         self._disk_reads += sum(found)
         if src is not dst:
             ok = [j for j, f in enumerate(found) if f]
@@ -199,20 +200,22 @@ class ReadMixin:
             self._check()
             absent_rows = self.pool.absent_rows(keys)
             if absent_rows:
-                # keys on no tier end a prefix or fail the call before any byte is written
-                on_disk = self._cold_call(self._cold.contains, [keys[i] for i in absent_rows]) \
-                    if self._cold is not None else [False] * len(absent_rows)
+                # keys on no tier end a prefix or fail the call before any byte is written; the
+                # disk tier's lookup is made once, for this check and the read
+                entries = self._cold_call(self._cold.lookup, [keys[i] for i in absent_rows]) \
+                    if self._cold is not None else [None] * len(absent_rows)
+                on_disk = [e is not None for e in entries]
                 if not all(on_disk):
                     if not prefix:
                         missing = [keys[i] for i, d in zip(absent_rows, on_disk) if not d]
                         raise NotFound(f"{len(missing)} of {n} keys are not stored: {describe_keys(missing)}")
                     stop = on_disk.index(False)
                     n = absent_rows[stop]
-                    keys, absent_rows = keys[:n], absent_rows[:stop]
+                    keys, absent_rows, entries = keys[:n], absent_rows[:stop], entries[:stop]
             if absent_rows:
                 # straight into out's rows (C3 checked); a block that fails its check ends a
                 # prefix there or raises NotFound, the rows already read then unspecified
-                found, src, src_rows = self._read_disk_into([keys[i] for i in absent_rows], dst, absent_rows)
+                found, src, src_rows = self._read_disk_into([keys[i] for i in absent_rows], dst, absent_rows, entries)
                 if not all(found):
                     if not prefix:
                         missing = [keys[i] for i, f in zip(absent_rows, found) if not f]
