@@ -11,6 +11,7 @@ Example: Llama-3-8B (32 layers, 8 kv heads, head dim 128) in bf16 with 16-token 
 
 from __future__ import annotations
 
+import functools
 import math
 import operator
 from dataclasses import dataclass
@@ -52,7 +53,7 @@ class BlockLayout:
         if self.dtype not in DTYPE_NAMES:
             raise InvalidInput(f"unsupported dtype {self.dtype}; one of {sorted(DTYPES_BY_NAME)}")
 
-    @property
+    @functools.cached_property  # asked on every call of the hot paths; the fields are frozen
     def block_shape(self) -> tuple[int, int, int, int, int]:
         return (self.num_layers, 2, self.block_tokens, self.num_kv_heads, self.head_dim)
 
@@ -60,7 +61,7 @@ class BlockLayout:
     def itemsize(self) -> int:
         return self.dtype.itemsize  # no tensor made: page_bytes is asked on every call
 
-    @property
+    @functools.cached_property
     def page_bytes(self) -> int:
         return math.prod(self.block_shape) * self.itemsize
 
