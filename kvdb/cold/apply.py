@@ -58,6 +58,25 @@ def index_ops(segment_no: int, offset: int, rtype: int, lsn: int, crc: int, body
     return []
 
 
+def location_delta(old, new) -> tuple:
+    """What one key's newest record moving from ``old`` to ``new`` ((segment, offset, record
+    bytes), None: not live) changes in the live totals: (segment, bytes, blocks) triples."""
+    d: tuple = () if old is None else ((old[0], -old[2], -1),)
+    return d if new is None else (*d, (new[0], new[2], 1))
+
+
+def fold(totals: dict[int, list[int]], delta, touched: set[int]) -> None:
+    """Add ``delta``'s triples to ``totals`` (segment -> [live bytes, live blocks]); the
+    segments it names join ``touched``."""
+    for seg, nbytes, nblocks in delta:
+        t = totals.get(seg)
+        if t is None:
+            t = totals[seg] = [0, 0]
+        t[0] += nbytes
+        t[1] += nblocks
+        touched.add(seg)
+
+
 def live_ops(applied: dict[int, list[int]], segments) -> list[tuple[bytes, bytes | None]]:
     """Index writes of the live totals of ``segments`` (a segment with nothing live: no key)."""
     ops = []
@@ -191,13 +210,7 @@ class IndexQueue:
                 op_lsn, ikey, value, key, delta = q.popleft()
                 last = op_lsn
                 if delta:
-                    for seg, nbytes, nblocks in delta:
-                        tot = applied.get(seg)
-                        if tot is None:
-                            tot = applied[seg] = [0, 0]
-                        tot[0] += nbytes
-                        tot[1] += nblocks
-                        touched.add(seg)
+                    fold(applied, delta, touched)
                 if key is BATCH:
                     ikeys, values, keys, lsns = value
                     ops.extend(zip(ikeys, values))
@@ -242,4 +255,4 @@ class IndexQueue:
             self._listeners = tuple(f for f in self._listeners if f != fn)  # bound methods: ==
 
 
-__all__ = ["IndexQueue", "index_ops", "live_ops"]
+__all__ = ["IndexQueue", "fold", "index_ops", "live_ops", "location_delta"]

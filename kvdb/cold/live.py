@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import collections
 
+from kvdb.cold.apply import fold, location_delta
 from kvdb.errors import CorruptionError
 from kvdb.format.record import SEGMENT_HEADER_BYTES
 from kvdb.wal.reader import walk_puts
@@ -42,16 +43,14 @@ WALK_RECORDS = 4096
 
 
 class LiveSet:
-    def __init__(self, locate=None, walk=None, scan=None) -> None:
-        """``locate(keys)``: (segment, offset, record bytes) of each live key, None for others;
-        ``walk(segment, offset|None, n)``: up to n (key, offset, record bytes) of the segment's PUT
-        records from ``offset`` (None: its first), the offset reached, and "more" (n reached, or
-        the active segment's end for now), "end" (the segment's end) or "damage" (no further);
-        ``scan()``: (key, segment, offset, record bytes) of every live block. A store's own
-        come from ``attach``."""
-        self.locate = locate
-        self._walk = walk
-        self.scan = scan
+    def __init__(self) -> None:
+        """Empty, and answering nothing, until ``attach``: ``locate(keys)`` gives (segment,
+        offset, record bytes) of each live key, None for others; ``_walk(segment, offset|None,
+        n)`` up to n (key, offset, record bytes) of the segment's PUT records from ``offset``
+        (None: its first), the offset reached, and "more" (n reached, or the active segment's
+        end for now), "end" (the segment's end) or "damage" (no further); ``scan()`` (key,
+        segment, offset, record bytes) of every live block."""
+        self.locate = self._walk = self.scan = None
         self._seg: dict[int, list[int]] = {}  # segment -> [live record bytes, live blocks]
         self.bytes = 0  # live record bytes in all
         self.count = 0  # live blocks in all
@@ -114,24 +113,18 @@ class LiveSet:
             if cur is not None:
                 old = cur.get(k, old)
                 cur[k] = new
-            d = ()
-            if old is not None:
-                self._add(old[0], -old[2], -1)
-                d = ((old[0], -old[2], -1),)
-            if new is not None:
-                self._add(new[0], new[2], 1)
-                d = (*d, (new[0], new[2], 1))
+            d = location_delta(old, new)
+            for seg, nbytes, nblocks in d:
+                self._add(seg, nbytes, nblocks)
             deltas.append(d or None)
         return deltas
 
     def change_summed(self, keys: list[bytes], olds: list, news: list) -> tuple:
         """``change``, its deltas summed per segment (one delta for a whole record or batch)."""
         summed: dict[int, list[int]] = {}
+        touched: set[int] = set()
         for d in self.change(keys, olds, news):
-            for seg, nbytes, nblocks in d or ():
-                t = summed.setdefault(seg, [0, 0])
-                t[0] += nbytes
-                t[1] += nblocks
+            fold(summed, d or (), touched)
         return tuple((s, t[0], t[1]) for s, t in summed.items() if t[0] or t[1])
 
     def change_runs(self, keys: list[bytes], olds: list, runs, record_bytes: int) -> tuple:

@@ -36,7 +36,7 @@ import os
 
 import numpy as np
 
-from kvdb.cold.apply import index_ops, live_ops
+from kvdb.cold.apply import fold, index_ops, live_ops, location_delta
 from kvdb.cold.codec import Sealer, read_key_file
 from kvdb.cold.index import Index
 from kvdb.errors import CorruptionError, InvalidInput, StorageIOError
@@ -135,10 +135,9 @@ def load_totals(index) -> dict[int, list[int]]:
 def _scan_totals(index) -> dict[int, list[int]]:
     """The totals summed from every entry (a legacy index, once)."""
     totals: dict[int, list[int]] = {}
+    touched: set[int] = set()
     for _key, e in index.entries():
-        t = totals.setdefault(e.segment_no, [0, 0])
-        t[0] += e.record_bytes
-        t[1] += 1
+        fold(totals, ((e.segment_no, e.record_bytes, 1),), touched)
     return totals
 
 
@@ -169,15 +168,10 @@ class _Replay:
         blocks = [(ikey[1:], v) for ikey, v in self.ops if ikey[:1] == iv.BLOCK_PREFIX]
         keys = list(dict.fromkeys(k for k, _v in blocks))
         cur = dict(zip(keys, (None if v is None else iv.entry_location(v) for v in self.index.get_values(keys))))
-        touched = set()
+        touched: set[int] = set()
         for key, value in blocks:
-            old, new = cur[key], None if value is None else iv.entry_location(value)
-            for loc, sign in ((old, -1), (new, 1)):
-                if loc is not None:
-                    t = self.totals.setdefault(loc[0], [0, 0])
-                    t[0] += sign * loc[2]
-                    t[1] += sign
-                    touched.add(loc[0])
+            new = None if value is None else iv.entry_location(value)
+            fold(self.totals, location_delta(cur[key], new), touched)
             cur[key] = new
         self.ops.extend(live_ops(self.totals, touched))
         self.ops.append((iv.APPLIED_KEY, iv.encode_lsn(self.last)))

@@ -146,8 +146,9 @@ class LogAppender:
     def _olds(self, items, keys: list[bytes]) -> list:
         """Caller holds writer.lock: the old locations of a batch's keys, looked up again unless
         the batch carries them from a moment the log has not changed since."""
-        if items.olds is not None and items.olds_lsn == self.store.writer.next_lsn:
-            return items.olds
+        olds = getattr(items, "olds", None)  # a plain list (append_batches' merged one) carries none
+        if olds is not None and items.olds_lsn == self.store.writer.next_lsn:
+            return olds
         return self.store.live.locate(keys)
 
     def append_puts(self, items: list) -> int:
@@ -159,7 +160,7 @@ class LogAppender:
             if isinstance(items, PutRows):
                 return self._append_rows(items)
             keys = [k for k, _f, _p in items]
-            olds = self._olds(items, keys) if isinstance(items, PutItems) else st.live.locate(keys)
+            olds = self._olds(items, keys)
             evict: list[bytes] = []
             if st.disk_bytes is not None:
                 sizes = [RECORD_HEADER_BYTES + len(f) + buffer_bytes(p) for _k, f, p in items]

@@ -86,12 +86,13 @@ class ReadMixin:
         """Whether one key is stored in any tier (a peek: no stats, no recency)."""
         return self.match_prefix([key], peek=True) == 1
 
-    def _read_disk(self, keys: list[bytes]) -> tuple[np.ndarray, list[bool]]:
-        """Read keys from the disk tier into a staging buffer; found[i] False = absent or corrupt."""
+    def _read_disk(self, keys: list[bytes], entries: list) -> tuple[np.ndarray, list[bool]]:
+        """Read keys (at ``entries``, their disk tier lookup) into a staging buffer; found[i]
+        False = absent or corrupt."""
         buf = np.empty((len(keys), self.layout.page_bytes), dtype=np.uint8)
         if self._cold is None or not keys:
             return buf, [False] * len(keys)
-        found = self._cold_call(self._cold.get_into, keys, buf)
+        found = self._cold_call(self._cold.get_into, keys, buf, None, entries)
         self._disk_reads += sum(found)
         return buf, found
 
@@ -148,22 +149,23 @@ class ReadMixin:
         keys = list(dict.fromkeys(keys))
         if self._cold is None or not keys:
             return [], keys
-        stored = self._cold_call(self._cold.contains, keys)  # no frame (no eviction) for a key stored nowhere
-        absent = [k for k, s in zip(keys, stored) if not s]
-        keys = [k for k, s in zip(keys, stored) if s]
+        entries = self._cold_call(self._cold.lookup, keys)  # one lookup: for the check and the read
+        absent = [k for k, e in zip(keys, entries) if e is None]  # no frame (no eviction) for these
+        keys = [k for k, e in zip(keys, entries) if e is not None]
+        entries = [e for e in entries if e is not None]
         pool = self.pool
         try:
             frames = pool.reserve_host_frames(len(keys)) if keys else None
         except CapacityError:
             frames = None
         if frames is None:
-            buf, found = self._read_disk(keys)
+            buf, found = self._read_disk(keys, entries)
             ok = [i for i, f in enumerate(found) if f]
             loaded = [keys[i] for i in ok]
             self._promote_from_disk(loaded, torch.from_numpy(buf), ok)
             return loaded, absent + [keys[i] for i, f in enumerate(found) if not f]
         try:
-            found = self._cold_call(self._cold.get_into, keys, pool.host_arena().numpy(), frames)
+            found = self._cold_call(self._cold.get_into, keys, pool.host_arena().numpy(), frames, entries)
         except BaseException:
             pool.release_host_frames(frames)
             raise
