@@ -73,7 +73,7 @@ def crc32c(data, value: int = 0) -> int:
     buf = _ffi.from_buffer(data)
     n = len(buf)
     if n >= FAST_CRC_MIN_BYTES and _fast_crc is not None:
-        return _fast_crc(_ffi.buffer(buf, n), value)
+        return _fast_crc(_ffi.buffer(buf, n), value, 1)  # 1: the GIL released (a reader's checks overlap)
     return _lib.kvdb_crc32c(value, buf, n)
 
 
@@ -104,7 +104,7 @@ def crc32c_rows(rows: np.ndarray, start: int, nbytes: int, init=None, then: np.n
     seeds = [0] * n if init is None else np.asarray(init, dtype=np.uint32).tolist()
     f = _lib.kvdb_crc32c
     if nbytes >= FAST_CRC_MIN_BYTES and _fast_crc is not None:
-        out = [_fast_crc(row, s) for row, s in zip(rows[:, start : start + nbytes], seeds)]
+        out = [_fast_crc(row, s, 1) for row, s in zip(rows[:, start : start + nbytes], seeds)]
     else:
         base = _ffi.cast("uint8_t *", _ffi.from_buffer(rows)) + start
         out = [f(s, base + i * width, nbytes) for i, s in enumerate(seeds)]
@@ -112,7 +112,7 @@ def crc32c_rows(rows: np.ndarray, start: int, nbytes: int, init=None, then: np.n
         return np.array(out, dtype=np.uint32)
     m = then.shape[1]
     if m >= FAST_CRC_MIN_BYTES and _fast_crc is not None:
-        return np.array([_fast_crc(row, c) for row, c in zip(then, out)], dtype=np.uint32)
+        return np.array([_fast_crc(row, c, 1) for row, c in zip(then, out)], dtype=np.uint32)
     tb = _ffi.cast("uint8_t *", _ffi.from_buffer(then))
     return np.array([f(c, tb + i * m, m) for i, c in enumerate(out)], dtype=np.uint32)
 

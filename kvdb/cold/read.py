@@ -40,6 +40,7 @@ from kvdb.format.record import (
     FLAG_SEALED,
     PUT_PAYLOAD_OFFSET,
     RECORD_HEADER,
+    PUT_HEAD_DTYPE,
     RECORD_HEADER_BYTES,
     Codec,
     RecordType,
@@ -59,6 +60,28 @@ def check_raw(key: bytes, e: iv.BlockEntry, head: bytearray, row: np.ndarray) ->
             or lsn != e.lsn or head[RECORD_HEADER_BYTES:RECORD_HEADER_BYTES + KEY_BYTES] != key):
         return False
     return native.crc32c(row, native.crc32c(memoryview(head)[8:])) == crc
+
+
+def check_slice(keys: list[bytes], entries: list, heads: np.ndarray, pages: list, whole: int) -> list[bool]:
+    """C3 for raw pages read back to back: ``heads`` uint8 [k, PUT_PAYLOAD_OFFSET] holds the
+    records' leading bytes, ``pages[j]`` the page read after head j; ``whole``: how many
+    records the read returned in full (the rest are misses). The header fields are compared
+    for the whole slice at once; the crc runs per record (native, GIL released)."""
+    k = len(keys)
+    h = heads.view(PUT_HEAD_DTYPE).reshape(k)
+    good = (h["length"].astype(np.int64) + RECORD_HEADER_BYTES == np.fromiter((e.record_bytes for e in entries), np.int64, k)) \
+        & (h["crc"] == np.fromiter((e.crc for e in entries), np.uint32, k)) \
+        & (h["type"] == RecordType.PUT_BLOCK) \
+        & (h["lsn"] == np.fromiter((e.lsn for e in entries), np.uint64, k)) \
+        & (h["key"] == np.frombuffer(b"".join(keys), dtype="V16"))
+    good[whole:] = False
+    crcs = h["crc"].tolist()
+    out = good.tolist()
+    crc = native.crc32c
+    for j in range(min(k, whole)):
+        if out[j]:
+            out[j] = crc(pages[j], crc(heads[j, 8:])) == crcs[j]
+    return out
 
 
 class BlockReader:
@@ -131,70 +154,85 @@ class BlockReader:
 
     # -- reads
 
-    def read_into(self, keys: list[bytes], entries: list, out: np.ndarray, rows=None) -> list:
+    def read_into(self, keys: list[bytes], entries: list, out: np.ndarray, rows=None, on_ready=None) -> list:
         """Read ``entries`` (looked up for ``keys``) into ``out``'s rows: key i lands in
         ``out[rows[i]]`` (rows default 0..n-1), read there directly. Per key: True (hit),
         False (damaged, C3), "absent" (no entry) or None (its segment is gone: look it up
-        again and ``read_entry``)."""
+        again and ``read_entry``). ``on_ready(indices)``, when given, is told each hit once, as
+        soon as it is checked: the first slices' while later ones are still being read."""
         rows = range(len(keys)) if rows is None else rows
         results: list = [None] * len(keys)
-        self.read_runs(keys, entries, out, results, rows)
+        self.read_runs(keys, entries, out, results, rows, on_ready)
+        late = []
         for i, (key, e) in enumerate(zip(keys, entries)):
             if e is None:
                 results[i] = "absent"
             elif results[i] is None:
                 results[i] = self.read_entry(key, e, out[rows[i]])
+                if results[i] is True:
+                    late.append(i)
+        if late and on_ready is not None:
+            on_ready(late)
         return results
 
-    def read_runs(self, keys, entries, out: np.ndarray, results: list, rows=None) -> None:
+    def read_runs(self, keys, entries, out: np.ndarray, results: list, rows=None, on_ready=None) -> None:
         """Raw, unsealed pages whose records lie back to back in a segment are read with one
-        preadv per run, straight into their rows ``out[rows[i]]`` (the same I/O a plain
-        sequential read does; the rows need not be adjacent in ``out``)."""
+        preadv per run slice, straight into their rows ``out[rows[i]]`` (the same I/O a plain
+        sequential read does; the rows need not be adjacent in ``out``).
+
+        A reader thread goes through the slices back to back (preadv releases the GIL) while
+        this thread checks the slices already read, a slice at a time (``check_slice``), and
+        hands them to ``on_ready``: the device never waits for a check or a promotion except
+        the last slice's."""
         rows = range(len(keys)) if rows is None else rows
         want = PUT_PAYLOAD_OFFSET + self.page_bytes
         cand = sorted((e.segment_no, e.offset, i) for i, e in enumerate(entries)
                       if e is not None and e.codec == Codec.RAW and not (e.flags & FLAG_SEALED)
                       and e.record_bytes == want)
+        per = max(1, min(IOV_MAX // 2, READ_SLICE_BYTES // want))
+        slices = []  # (segment, offset, [key index]) of whole slices of runs, in file order
         j = 0
         while j < len(cand):
             seg, off, _ = cand[j]
             run = [cand[j][2]]
             j += 1
-            while j < len(cand) and len(run) < IOV_MAX // 2 and cand[j][0] == seg \
-                    and cand[j][1] == off + len(run) * want:
+            while j < len(cand) and cand[j][0] == seg and cand[j][1] == off + len(run) * want:
                 run.append(cand[j][2])
                 j += 1
-            if len(run) == 1:
-                continue  # the per-entry path handles it (and its retry)
-            fd = self._pin_fd(seg)
-            if fd is None:
-                continue
-            try:
-                # read and check the run in slices: the checksums of one slice overlap the
-                # device reading the next (posix_fadvise WILLNEED over the run measured slower)
-                per = max(1, READ_SLICE_BYTES // want)
-                slices = []
-                for a in range(0, len(run), per):
-                    part = run[a : a + per]
-                    heads = [bytearray(PUT_PAYLOAD_OFFSET) for _ in part]
-                    bufs = []
-                    for h, i in zip(heads, part):
-                        bufs.append(h)
-                        bufs.append(out[rows[i]])
-                    slices.append((part, heads, bufs, off + a * want))
-                # a reader thread runs ahead through the slices (preadv releases the GIL) while
-                # this thread checks the ones already read (crc32c releases it too)
-                pool = self._read_pool() if len(slices) > 1 else None
-                futs = [pool.submit(self._safe_preadv, fd, b, o) if pool else None for _p, _h, b, o in slices]
-                for (part, heads, bufs, o), fut in zip(slices, futs):
-                    n = fut.result() if fut is not None else self._safe_preadv(fd, bufs, o)
-                    for k, (h, i) in enumerate(zip(heads, part)):
-                        if n < (k + 1) * want:
-                            results[i] = False
-                        else:
-                            results[i] = check_raw(keys[i], entries[i], h, out[rows[i]])
-            finally:
-                self._unpin_fd(seg, fd)
+            if len(run) > 1:  # a lone record: the per-entry path handles it (and its retry)
+                slices.extend((seg, off + a * want, run[a : a + per]) for a in range(0, len(run), per))
+        if not slices:
+            return
+        pool = self._read_pool() if len(slices) > 1 else None
+        pinned: dict[int, int | None] = {}
+        jobs = []  # per slice: (key indices, heads, pages, fd, iovecs, offset, read future or None)
+        try:
+            for seg, off, part in slices:  # every slice submitted up front: the reads go back to back
+                if seg not in pinned:
+                    pinned[seg] = self._pin_fd(seg)
+                fd = pinned[seg]
+                if fd is None:
+                    continue  # the segment is gone: the per-entry path looks again
+                heads = np.empty((len(part), PUT_PAYLOAD_OFFSET), dtype=np.uint8)
+                pages = [out[rows[i]] for i in part]
+                bufs = [b for pair in zip(heads, pages) for b in pair]
+                fut = pool.submit(self._safe_preadv, fd, bufs, off) if pool is not None else None
+                jobs.append((part, heads, pages, fd, bufs, off, fut))
+            for part, heads, pages, fd, bufs, off, fut in jobs:
+                n = fut.result() if fut is not None else self._safe_preadv(fd, bufs, off)
+                ok = check_slice([keys[i] for i in part], [entries[i] for i in part], heads, pages, n // want)
+                for i, good in zip(part, ok):
+                    results[i] = good
+                ready = [i for i, good in zip(part, ok) if good]
+                if ready and on_ready is not None:
+                    on_ready(ready)
+        finally:
+            for job in jobs:
+                if job[-1] is not None:
+                    job[-1].exception()  # never leave a read running into rows the caller reuses
+            for seg, fd in pinned.items():
+                if fd is not None:
+                    self._unpin_fd(seg, fd)
 
     def read_entry(self, key: bytes, e: iv.BlockEntry, row: np.ndarray):
         """True: row holds the page. False: damaged. None: the segment is gone (retry)."""
@@ -259,4 +297,4 @@ class BlockReader:
             self._unpin_fd(segment_no, fd)
 
 
-__all__ = ["BlockReader", "READ_SLICE_BYTES", "check_raw"]
+__all__ = ["BlockReader", "READ_SLICE_BYTES", "check_raw", "check_slice"]

@@ -423,11 +423,12 @@ class ColdStore:
         self.check()
         return self.queue.lookup(keys)
 
-    def get_into(self, keys, out: np.ndarray, rows=None, entries=None) -> list[bool]:
+    def get_into(self, keys, out: np.ndarray, rows=None, entries=None, on_ready=None) -> list[bool]:
         """Read pages into ``out`` rows (uint8 [m, page_bytes]): key i into ``out[rows[i]]``
         (rows default 0..n-1, then m >= n), read there directly (no staging copy). False = miss:
         absent, or damaged (C3: counted in ``corruptions``, the row zeroed, never wrong bytes);
-        ``entries``: the keys' ``lookup`` if the caller just made it (a moved block: looked up again)."""
+        ``entries``: the keys' ``lookup`` if the caller just made it (a moved block: looked up again);
+        ``on_ready(indices)``: told each hit once, in this thread, as soon as it is checked."""
         self.check()
         keys = self._validate_keys(keys)
         if rows is None:
@@ -439,13 +440,15 @@ class ColdStore:
                 or out.shape[1] != self.page_bytes or out.shape[0] < top or not out.flags.c_contiguous \
                 or min(rows, default=0) < 0:
             raise InvalidInput(f"out must be a C-contiguous uint8 numpy array [>= {top}, {self.page_bytes}]")
-        results = self.reader.read_into(keys, self.lookup(keys) if entries is None else entries, out, rows)
+        results = self.reader.read_into(keys, entries or self.lookup(keys), out, rows, on_ready)
         found = [False] * len(keys)
         hits = misses = bad = 0
         for i, ok in enumerate(results):
             if ok is None:  # moved by compaction between lookup and read: look again once
                 (e2,) = self.lookup([keys[i]])
                 ok = "absent" if e2 is None else bool(self.reader.read_entry(keys[i], e2, out[rows[i]]))
+                if ok is True and on_ready is not None:
+                    on_ready([i])
             if ok is True:
                 found[i] = True
                 hits += 1

@@ -122,15 +122,22 @@ class ReadMixin:
         """Whether disk reads can land in ``dst`` itself (CPU memory), not a staging buffer."""
         return dst.device.type == "cpu"
 
-    def _read_disk_into(self, keys: list[bytes], dst: torch.Tensor, rows: list[int],
-                        entries: list) -> tuple[list[bool], torch.Tensor, list[int]]:
-        """Read keys (at ``entries``, their disk tier lookup) into ``dst[rows[i]]`` with one copy.
-        Returns (found, src, src_rows): the host tensor and rows holding the pages, to promote from."""
+    def _read_disk_into(self, keys: list[bytes], dst: torch.Tensor, rows: list[int], entries: list) -> list[bool]:
+        """Read keys (at ``entries``, their disk tier lookup) into ``dst[rows[i]]`` with one copy,
+        and promote them into the host tier from the bytes read, a checked slice at a time while
+        the next slices are still being read (the promotion's copy overlaps the device's reads)."""
         if self._reads_in_place(dst):
             src, src_rows = dst, rows
         else:
             src, src_rows = self._stage(len(keys)), list(range(len(keys)))
-        found = self._cold_call(self._cold.get_into, keys, src.detach().numpy(), src_rows, entries)
+        promoted: set[bytes] = set()
+
+        def promote(idx: list[int]) -> None:  # a key twice in one call: promoted once
+            idx = [i for i in idx if keys[i] not in promoted and not promoted.add(keys[i])]
+            if idx:
+                self._promote_from_disk([keys[i] for i in idx], src, [src_rows[i] for i in idx])
+
+        found = self._cold_call(self._cold.get_into, keys, src.detach().numpy(), src_rows, entries, promote)
         self._disk_reads += sum(found)
         if src is not dst:
             ok = [j for j, f in enumerate(found) if f]
@@ -138,7 +145,7 @@ class ReadMixin:
                 dst[d0 : d0 + m].copy_(src[s0 : s0 + m], non_blocking=src.is_pinned())
             if src.is_pinned():
                 torch.cuda.current_stream(dst.device).synchronize()
-        return found, src, src_rows
+        return found
 
     def _load_from_disk(self, keys: list[bytes]) -> tuple[list[bytes], list[bytes]]:
         """Read keys from the disk tier into memory (promotion; caller holds the lock). Returns
@@ -215,25 +222,22 @@ class ReadMixin:
                     n = absent_rows[stop]
                     keys, absent_rows, entries = keys[:n], absent_rows[:stop], entries[:stop]
             if absent_rows:
-                # straight into out's rows (C3 checked); a block that fails its check ends a
-                # prefix there or raises NotFound, the rows already read then unspecified
-                found, src, src_rows = self._read_disk_into([keys[i] for i in absent_rows], dst, absent_rows, entries)
-                if not all(found):
-                    if not prefix:
-                        missing = [keys[i] for i, f in zip(absent_rows, found) if not f]
-                        raise NotFound(f"{len(missing)} of {n} keys are not stored (or failed their checksum): "
-                                       f"{describe_keys(missing)}")
-                    keep = found.index(False)
-                    n = absent_rows[keep]
-                    absent_rows, src_rows = absent_rows[:keep], src_rows[:keep]
-                    keys = keys[:n]
-            if absent_rows:
+                # resident pages first: promoting the pages read from disk may evict them
                 absent = set(absent_rows)
                 rows = [i for i in range(n) if i not in absent]
                 resident = [keys[i] for i in rows]
                 self.pool.read_into(resident, dst, rows)
                 self.pool.touch(resident, ctx)
-                self._promote_from_disk([keys[i] for i in absent_rows], src, src_rows)
+                # then straight into out's rows (C3 checked), promoted as they are checked; a
+                # block that fails its check ends a prefix there or raises NotFound, the rows
+                # already read then unspecified (the pages promoted are correct: they passed)
+                found = self._read_disk_into([keys[i] for i in absent_rows], dst, absent_rows, entries)
+                if not all(found):
+                    if not prefix:
+                        missing = [keys[i] for i, f in zip(absent_rows, found) if not f]
+                        raise NotFound(f"{len(missing)} of {n} keys are not stored (or failed their checksum): "
+                                       f"{describe_keys(missing)}")
+                    n = absent_rows[found.index(False)]
             else:
                 self.pool.read_into(keys, dst)
                 self.pool.touch(keys, ctx)

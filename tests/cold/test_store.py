@@ -278,6 +278,35 @@ def test_sliced_read_ahead_of_back_to_back_records(tmp_path, monkeypatch):
         assert s.stats()["corruptions"] == 1
 
 
+def test_on_ready_tells_each_checked_hit_once_a_slice_at_a_time(tmp_path, monkeypatch):
+    # Scenario: records 0..9 back to back read in slices of 3 (4 slices), record 30 alone (the
+    # per-entry path), record 4 damaged, one key absent. on_ready hears of every hit exactly
+    # once, in slices as they are checked (3 or fewer at a time, run order), the lone record
+    # last; never of the damaged or the absent key. Its promotion (kvdb/db/read.py) relies on it.
+    import kvdb.cold.read as read_mod
+
+    monkeypatch.setattr(read_mod, "READ_SLICE_BYTES", 3 * (53 + TINY.page_bytes))
+    keys = [key(i) for i in range(40)]
+    with open_store(tmp_path) as s:
+        s.put(keys, pages_for(keys), None, "sync")
+    with open(tmp_path / "wal" / "00000001.log", "r+b") as f:
+        f.seek(32 + 4 * (53 + TINY.page_bytes) + 53 + 1)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0x01]))
+    ask = [keys[30]] + keys[:10] + [key(99)]
+    told: list[list[int]] = []
+    with open_store(tmp_path) as s:
+        out = np.zeros((len(ask), TINY.page_bytes), dtype=np.uint8)
+        found = s.get_into(ask, out, on_ready=lambda idx: told.append(list(idx)))
+    assert found == [True] * 5 + [False] + [True] * 5 + [False]
+    flat = [i for part in told for i in part]
+    assert sorted(flat) == [i for i, f in enumerate(found) if f]  # each hit once, nothing else
+    assert told[-1] == [0] and all(len(part) <= 3 for part in told[:-1])
+    assert flat[:-1] == sorted(flat[:-1])  # the run's slices in file order
+    assert (out[[i for i, f in enumerate(found) if f]] == pages_for([k for k, f in zip(ask, found) if f])).all()
+
+
 def test_encrypted_store_reopens_after_a_crash_before_any_checkpoint(tmp_path):
     # The key check lives in the index, whose WAL is off: it must be flushed at creation.
     kf = tmp_path / "key"
