@@ -25,13 +25,16 @@ pin and removal); ``evict`` asks the one the current mode names and tells the ot
 between ``gd`` and ``crf`` re-keys the planner's heap (``PlannedReplacer.set_unplanned``);
 to or from ``nowf`` turns its planning from workflows off or on (``set_workflows``).
 
-Decisions: every ``EPOCH`` sampled block accesses, each candidate's score (sampled hits,
-times DECAY after each decision: a memory of about ten epochs) is compared; the tier moves to the best one when
-it beats the current mode's by ``SWITCH_MARGIN`` of the current score plus ``SWITCH_Z``
-standard deviations of the difference (hit counts taken as Poisson: ``sqrt(a + b)``), so that
-sampling noise alone does not move it, and not before ``WARMUP`` epochs. A mini
-cache counts hits as the replay does (kvdb/sim/replay.py S1), on the sample: the leading run of
-a call's sampled blocks that it holds.
+Decisions: a paired test, every ``EPOCH`` sampled block accesses and not before ``WARMUP``
+epochs. All minis see the same calls, so call by call each candidate's hits are compared with
+those of the mini of the ordering in force: the sum of the differences ``d`` and of ``d**2``
+(times DECAY after each decision: a memory of about ten epochs). The tier moves to the
+candidate with the largest sum when that sum exceeds ``SWITCH_MARGIN`` of the sampled accesses
+and ``SWITCH_Z`` standard deviations of the paired difference (``sqrt(sum d**2)``), so that
+sampling noise alone does not move it but a steady loss of a point of hit ratio does; the sums
+restart after a switch. A mini cache counts hits as the replay does (kvdb/sim/replay.py S1), on
+the sample: the leading run of a call's sampled blocks that it holds. ``score`` (decayed hits)
+and the hit counts are kept for EXPLAIN.
 
 Capacity: the policy is never told the tier's capacity (kvdb/sim/replay.py S4). The minis
 evict when the tier does (in a replay after the host's call_finished, in the engine when the
@@ -65,8 +68,8 @@ MIN_MINI_BLOCKS = 64  # a small tier samples more, so that each mini cache holds
 EPOCH = 256  # sampled block accesses between decisions
 DECAY = 0.9  # each score's weight after a decision: a memory of ~10 epochs
 WARMUP = 4  # decisions start after this many epochs
-SWITCH_MARGIN = 0.02
-SWITCH_Z = 1.0  # ... and by this many standard deviations of the difference (hit counts as Poisson)
+SWITCH_MARGIN = 0.002  # a candidate must lead the ordering in force by this share of the sampled accesses
+SWITCH_Z = 2.0  # ... and by this many standard deviations of the paired difference
 _MIX = 0x9E3779B97F4A7C15
 _M64 = (1 << 64) - 1
 
@@ -106,11 +109,11 @@ class _Mini:
         while len(self.table) > cap and self._evict_one():
             pass
 
-    def access(self, ids: list, ctx: AccessContext | None) -> None:
+    def access(self, ids: list, ctx: AccessContext | None) -> int:
         table = self.table
         while sum(1 for b in ids if b not in table) > len(self.free):
             if not self._evict_one():
-                return
+                return 0
         frames = []
         hit = 0
         run = True  # hits count as the replay counts them: the leading run of the call's (sampled) blocks
@@ -128,6 +131,7 @@ class _Mini:
         self.score += hit
         self.hits += hit
         self.accesses += len(ids)
+        return hit
 
 
 class AdaptiveReplacer(Replacer):
@@ -164,6 +168,9 @@ class AdaptiveReplacer(Replacer):
         self._cap: int | None = None  # learned capacity of the tier (resident frames after evictions)
         self._evicted_since_access = False
         self._since = 0
+        self._seen = 0.0  # sampled accesses, decayed as the scores are
+        self._pd: dict[str, float] = {}  # per candidate: sum over calls of (its hits - the mode's), decayed
+        self._pv: dict[str, float] = {}  # ... and of the squared differences (the paired test's variance)
         self.epochs = 0
         self.switches = 0
 
@@ -186,8 +193,15 @@ class AdaptiveReplacer(Replacer):
                     sampled = []
                 sampled.append(ids[j])
         if sampled is not None and self._minis:
-            for m in self._minis.values():
-                m.access(sampled, ctx)
+            hits = {c: m.access(sampled, ctx) for c, m in self._minis.items()}
+            base = hits.get(self.mode, 0)
+            pd, pv = self._pd, self._pv
+            for c, h in hits.items():  # paired: each candidate against the ordering in force, call by call
+                d = h - base
+                if d:
+                    pd[c] = pd.get(c, 0.0) + d
+                    pv[c] = pv.get(c, 0.0) + d * d
+            self._seen += len(sampled)
             self._since += len(sampled)
             if self._since >= EPOCH:
                 self._decide()
@@ -195,19 +209,24 @@ class AdaptiveReplacer(Replacer):
     def _decide(self) -> None:
         self._since = 0
         self.epochs += 1
-        minis = self._minis
-        cur = minis[self.mode].score if self.mode in minis else 0.0
-        best = max(minis, key=lambda c: (minis[c].score, c == self.mode))
-        diff = minis[best].score - cur
-        if (best != self.mode and self.epochs >= WARMUP  # before that, too few samples to tell anything apart
-                and diff > SWITCH_MARGIN * cur + SWITCH_Z * math.sqrt(minis[best].score + cur)):
-            self._switch(best)
+        minis, pd, pv = self._minis, self._pd, self._pv
+        best = max((c for c in minis if c != self.mode), key=lambda c: pd.get(c, 0.0), default=None)
+        if best is not None and self.epochs >= WARMUP:  # before that, too few samples to tell anything apart
+            d = pd.get(best, 0.0)
+            if d > SWITCH_MARGIN * self._seen and d > SWITCH_Z * math.sqrt(pv.get(best, 0.0)):
+                self._switch(best)
         for m in minis.values():
             m.score *= DECAY
+        self._seen *= DECAY
+        for c in pd:
+            pd[c] *= DECAY
+            pv[c] *= DECAY
 
     def _switch(self, mode: str) -> None:
         self.mode = mode
         self.switches += 1
+        self._pd.clear()  # the differences were against the old ordering
+        self._pv.clear()
         if mode != "lru":
             unplanned, workflows = _SETTINGS[mode]
             self.planner.set_unplanned(unplanned)
