@@ -101,20 +101,26 @@ def crc32c_rows(rows: np.ndarray, start: int, nbytes: int, init=None, then: np.n
         raise InvalidInput(f"crc32c_rows: {then.shape[0]} rows to continue over for {n} rows")
     if _lib is None:
         return py_crc32c_rows(rows, start, nbytes, init, then)
+    if nbytes < FAST_CRC_MIN_BYTES and (then is None or then.shape[1] < FAST_CRC_MIN_BYTES or _fast_crc is None) \
+            or _fast_crc is None:
+        # short rows: one native call for the whole batch (a Python call per row costs more than its crc)
+        out = np.empty(n, dtype=np.uint32)
+        seeds = None if init is None else np.ascontiguousarray(init, dtype=np.uint32)
+
+        def ptr(a, t="uint8_t *"):
+            return _ffi.NULL if a is None else _ffi.cast(t, _ffi.from_buffer(a))
+
+        _lib.kvdb_crc32c_rows(ptr(rows), width, start, nbytes, ptr(then), 0 if then is None else then.shape[1],
+                              ptr(seeds, "uint32_t *"), n, ptr(out, "uint32_t *"))
+        return out
     seeds = [0] * n if init is None else np.asarray(init, dtype=np.uint32).tolist()
-    f = _lib.kvdb_crc32c
-    if nbytes >= FAST_CRC_MIN_BYTES and _fast_crc is not None:
+    if nbytes >= FAST_CRC_MIN_BYTES:
         out = [_fast_crc(row, s, 1) for row, s in zip(rows[:, start : start + nbytes], seeds)]
     else:
-        base = _ffi.cast("uint8_t *", _ffi.from_buffer(rows)) + start
-        out = [f(s, base + i * width, nbytes) for i, s in enumerate(seeds)]
+        out = crc32c_rows(rows, start, nbytes, seeds).tolist()  # the short heads in one native call
     if then is None:
         return np.array(out, dtype=np.uint32)
-    m = then.shape[1]
-    if m >= FAST_CRC_MIN_BYTES and _fast_crc is not None:
-        return np.array([_fast_crc(row, c, 1) for row, c in zip(then, out)], dtype=np.uint32)
-    tb = _ffi.cast("uint8_t *", _ffi.from_buffer(then))
-    return np.array([f(c, tb + i * m, m) for i, c in enumerate(out)], dtype=np.uint32)
+    return np.array([_fast_crc(row, c, 1) for row, c in zip(then, out)], dtype=np.uint32)
 
 
 # ---------------------------------------------------------------- hash chains

@@ -81,6 +81,19 @@ uint32_t kvdb_crc32c(uint32_t crc, const uint8_t *p, size_t n) {
     return ~crc_sw(crc, p, n);
 }
 
+/* CRC-32C of rows[i][start .. start + nbytes) for i < n (rows of `width` bytes, back to back),
+ * each continuing from seeds[i] (NULL: 0), then over then[i] (then_width bytes a row; NULL:
+ * nothing more): a batch of records' checksums in one call, no Python object per row. */
+void kvdb_crc32c_rows(const uint8_t *rows, size_t width, size_t start, size_t nbytes,
+                      const uint8_t *then, size_t then_width, const uint32_t *seeds, size_t n,
+                      uint32_t *out) {
+    for (size_t i = 0; i < n; i++) {
+        uint32_t c = kvdb_crc32c(seeds ? seeds[i] : 0, rows + i * width + start, nbytes);
+        if (then) c = kvdb_crc32c(c, then + i * then_width, then_width);
+        out[i] = c;
+    }
+}
+
 /* ---------- prefix hash chains ---------- */
 
 /* keys_out: n_blocks * 16 bytes. seed: 16 bytes (the namespace digest, or the previous key).

@@ -167,9 +167,12 @@ class IndexQueue:
 
     def values(self, keys: list[bytes]) -> list[bytes | None]:
         """Encoded entries of ``keys`` (None: not live): from ``pending``, else one multi-get."""
+        pend = self._pending
+        if not pend or pend.keys().isdisjoint(keys):  # none queued (an ingest of fresh keys): no loop here
+            return self.index.get_values(keys)
         out: list = [None] * len(keys)
         missing = []
-        get = self._pending.get
+        get = pend.get
         for i, k in enumerate(keys):
             p = get(k)
             if p is None:

@@ -108,7 +108,7 @@ class Index:
 
     def get_values(self, keys: list[bytes]) -> list[bytes | None]:
         """The encoded entries of block ``keys`` (None: not in the index), in one multi-get."""
-        ks = [BLOCK_PREFIX + k for k in keys]
+        ks = list(map(BLOCK_PREFIX.__add__, keys))
         try:
             vals = self._db.get(ks)
         except Exception as e:
