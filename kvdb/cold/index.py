@@ -44,6 +44,16 @@ from kvdb.format.index_value import (
 def _options() -> rocksdict.Options:
     opts = rocksdict.Options(raw_mode=True)
     opts.create_if_missing(True)
+    # Bloom filters over whole keys, in the SST files (10 bits a key, ~1.2 bytes a block on
+    # disk) and in the memtable (a tenth of the write buffer): a put looks up the old location
+    # of every key it writes, and for a fresh key (most of an ingest) the filters answer "not
+    # here" without searching a table: 0.5-0.7 us a key instead of 1.5-1.8 (200k keys, the
+    # memtable or one SST file, rocksdict multi-get).
+    table = rocksdict.BlockBasedOptions()
+    table.set_bloom_filter(10, False)
+    opts.set_block_based_table_factory(table)
+    opts.set_memtable_prefix_bloom_ratio(0.1)
+    opts.set_memtable_whole_key_filtering(True)
     return opts
 
 
