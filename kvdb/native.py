@@ -99,6 +99,8 @@ def crc32c_rows(rows: np.ndarray, start: int, nbytes: int, init=None, then: np.n
         raise InvalidInput(f"crc32c_rows: bytes {start}..{start + nbytes} outside rows of {width}")
     if then is not None and then.shape[0] != n:
         raise InvalidInput(f"crc32c_rows: {then.shape[0]} rows to continue over for {n} rows")
+    if init is not None and len(init) != n:
+        raise InvalidInput(f"crc32c_rows: {len(init)} seeds for {n} rows")
     if _lib is None:
         return py_crc32c_rows(rows, start, nbytes, init, then)
     if nbytes < FAST_CRC_MIN_BYTES and (then is None or then.shape[1] < FAST_CRC_MIN_BYTES or _fast_crc is None) \

@@ -222,3 +222,65 @@ def test_a_load_of_keys_stored_nowhere_evicts_nothing(tmp_path):
         assert all(k in db.pool for k in keys)  # nothing evicted for the ghosts
         assert db.prefetch(ghosts + disk) == 1  # one frame lent: the one stored key's
         assert sum(k in db.pool for k in keys) == 3 and disk[0] in db.pool
+
+
+def test_a_batch_promoted_a_slice_at_a_time_is_one_request_to_the_replacer(tmp_path, monkeypatch):
+    # Scenario: 12 blocks on disk read in slices of 3 records (4 slices, each promoted as it is
+    # checked), key 0 resident. The host replacer hears of the promoted pages once, all of them
+    # in chain order (its "last block of a call" and per-request clocks must not depend on the
+    # slice size), then of the resident one.
+    import kvdb.cold.read as read_mod
+
+    monkeypatch.setattr(read_mod, "READ_SLICE_BYTES", 3 * (53 + PAGE))
+    with kvdb.open(tmp_path, layout=LAYOUT, model_id="m", host_bytes=32 * PAGE) as db:
+        keys = db.block_keys(list(range(12 * LAYOUT.block_tokens)))
+        b = blocks_for(12, seed=11)
+        db.put_blocks(keys, b, tier="disk", durability="group")
+        db.get_blocks(keys[:1], torch.zeros((1, *LAYOUT.block_shape)))
+        repl = db.pool.tiers[HOST].replacer
+        calls: list[list[bytes]] = []
+        real = repl.record_access
+
+        def spy(frames, ids=None, ctx=None):
+            calls.append(list(ids))
+            return real(frames, ids, ctx)
+
+        monkeypatch.setattr(repl, "record_access", spy)
+        out = torch.zeros((12, *LAYOUT.block_shape))
+        db.get_blocks(keys, out)
+        assert torch.equal(out, b)
+        assert calls == [keys[1:], keys[:1]]
+
+
+def test_get_prefix_reports_only_the_keys_it_returns(tmp_path, monkeypatch):
+    # Scenario: keys 0 and 3 resident, 1-2 on disk with block 1 damaged: get_prefix returns 1;
+    # the replacer hears of key 0 only (key 3 lies past the prefix the caller gets), and a
+    # get_blocks that raises NotFound reports no resident key at all.
+    with kvdb.open(tmp_path, layout=LAYOUT, model_id="m", host_bytes=16 * PAGE) as db:
+        keys = db.block_keys(list(range(4 * LAYOUT.block_tokens)))
+        b = blocks_for(4, seed=13)
+        db.put_blocks(keys, b, tier="disk", durability="sync")
+        db.get_blocks([keys[0], keys[3]], torch.zeros((2, *LAYOUT.block_shape)))
+        (e,) = db._cold.lookup([keys[1]])
+        fd = os.open(db._cold.reader.segments.path(e.segment_no), os.O_RDWR)
+        try:
+            at = e.offset + e.record_bytes - 3
+            os.pwrite(fd, bytes([os.pread(fd, 1, at)[0] ^ 0x01]), at)
+        finally:
+            os.close(fd)
+        repl = db.pool.tiers[HOST].replacer
+        heard: list[bytes] = []
+        real = repl.record_access
+
+        def spy(frames, ids=None, ctx=None):
+            heard.extend(ids)
+            return real(frames, ids, ctx)
+
+        monkeypatch.setattr(repl, "record_access", spy)
+        out = torch.zeros((4, *LAYOUT.block_shape))
+        assert db.get_prefix(keys, out) == 1
+        assert keys[3] not in heard and keys[0] in heard and keys[1] not in heard
+        heard.clear()
+        with pytest.raises(NotFound):
+            db.get_blocks(keys, out)
+        assert keys[0] not in heard and keys[3] not in heard

@@ -86,6 +86,8 @@ def test_crc32c_rows_matches_python_row_by_row(width, start, nbytes):
         native.crc32c_rows(rows, start, width + 1)
     with pytest.raises(InvalidInput):
         native.crc32c_rows(rows[:, ::2], 0, 1)
+    with pytest.raises(InvalidInput):  # one seed per row: the C loop reads seeds[i] for every row
+        native.crc32c_rows(rows, start, nbytes, [1])
 
 
 # ---------------------------------------------------------------- sha256 chains

@@ -272,11 +272,16 @@ class BufferPool:
         ctx: AccessContext | None = None,
         start_tier: int | None = None,
         rows: Sequence[int] | None = None,
+        defer: list | None = None,
     ) -> None:
         """Place new pages (keys not resident) fastest tier first; overflow goes down, then spills.
 
         pages: uint8 [m, page_bytes] on any device; key i's page is ``pages[rows[i]]`` (rows
         default 0..n-1), copied straight from there (a read promotes from the caller's ``out``).
+        ``defer``: a list that collects (tier, frames, keys) instead of telling the replacers
+        now; ``record_inserted(defer)`` tells them later, as one access per tier (a batch
+        promoted a slice at a time is still one request to the replacer). Until then the
+        frames are resident but no victim.
         """
         tier_idx = self.top_tier().index if start_tier is None else start_tier
         done = 0
@@ -299,13 +304,26 @@ class BufferPool:
                     tier.positions[f] = positions[done + j]
                     tier.dirty[f] = dirty
                     self.table[key] = f << 1 | tier.index
-                tier.replacer.record_access(frames, keys[done : done + k], ctx)
+                if defer is None:
+                    tier.replacer.record_access(frames, keys[done : done + k], ctx)
+                else:
+                    defer.append((tier, frames, keys[done : done + k]))
                 tier.stats.inserts += k
                 done += k
             tier_idx += 1
         if done < n:  # every frame is pinned: the rest bypasses memory (an outcome, not an error)
             rest = pages[done:] if rows is None else pages[list(rows[done:])]
             self._spill(keys[done:], rest.cpu(), list(positions[done:]), [dirty] * (n - done))
+
+    def record_inserted(self, deferred: list, ctx: AccessContext | None = None) -> None:
+        """Tell each tier's replacer of the frames ``insert(..., defer=deferred)`` placed: one
+        access per tier, in insertion order."""
+        for tier in self.tiers:
+            if tier is None:
+                continue
+            frames = [f for t, fr, _k in deferred if t is tier for f in fr]
+            if frames:
+                tier.replacer.record_access(frames, [k for t, _f, ks in deferred if t is tier for k in ks], ctx)
 
     def promote(self, keys: list[bytes], ctx: AccessContext | None = None) -> int:
         """Move host-resident keys into the device tier (prefetch). Returns pages moved."""

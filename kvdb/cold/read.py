@@ -223,6 +223,8 @@ class BlockReader:
                 ok = check_slice([keys[i] for i in part], [entries[i] for i in part], heads, pages, n // want)
                 for i, good in zip(part, ok):
                     results[i] = good
+                    if not good:
+                        out[rows[i]] = 0  # C3: zeroed now, whatever on_ready does next
                 ready = [i for i, good in zip(part, ok) if good]
                 if ready and on_ready is not None:
                     on_ready(ready)

@@ -96,15 +96,17 @@ class ReadMixin:
         self._disk_reads += sum(found)
         return buf, found
 
-    def _promote_from_disk(self, keys: list[bytes], src: torch.Tensor, rows: list[int] | None = None) -> None:
+    def _promote_from_disk(self, keys: list[bytes], src: torch.Tensor, rows: list[int] | None = None,
+                           defer: list | None = None) -> None:
         """Place pages read from disk in the host tier (clean: they are on disk already), copied
-        from ``src[rows[i]]`` (rows default 0..n-1): the rows the read landed in."""
+        from ``src[rows[i]]`` (rows default 0..n-1): the rows the read landed in. ``defer``:
+        the pool's ``insert`` list of replacer notices (``record_inserted``)."""
         rows = list(range(len(keys))) if rows is None else rows
         first = {k: r for k, r in reversed(list(zip(keys, rows)))}  # a key twice: its first row
         if len(first) != len(keys):
             keys, rows = list(first), list(first.values())
         if keys:
-            self.pool.insert(keys, src, [-1] * len(keys), dirty=False, start_tier=HOST, rows=rows)
+            self.pool.insert(keys, src, [-1] * len(keys), dirty=False, start_tier=HOST, rows=rows, defer=defer)
 
     def _stage(self, k: int) -> torch.Tensor:
         """A host buffer of ``k`` pages for reads into a device ``out`` (pinned when CUDA is
@@ -131,13 +133,17 @@ class ReadMixin:
         else:
             src, src_rows = self._stage(len(keys)), list(range(len(keys)))
         promoted: set[bytes] = set()
+        notices: list = []  # the replacer hears of the promoted pages once, as one request
 
         def promote(idx: list[int]) -> None:  # a key twice in one call: promoted once
             idx = [i for i in idx if keys[i] not in promoted and not promoted.add(keys[i])]
             if idx:
-                self._promote_from_disk([keys[i] for i in idx], src, [src_rows[i] for i in idx])
+                self._promote_from_disk([keys[i] for i in idx], src, [src_rows[i] for i in idx], notices)
 
-        found = self._cold_call(self._cold.get_into, keys, src.detach().numpy(), src_rows, entries, promote)
+        try:
+            found = self._cold_call(self._cold.get_into, keys, src.detach().numpy(), src_rows, entries, promote)
+        finally:
+            self.pool.record_inserted(notices)
         self._disk_reads += sum(found)
         if src is not dst:
             ok = [j for j, f in enumerate(found) if f]
@@ -225,9 +231,7 @@ class ReadMixin:
                 # resident pages first: promoting the pages read from disk may evict them
                 absent = set(absent_rows)
                 rows = [i for i in range(n) if i not in absent]
-                resident = [keys[i] for i in rows]
-                self.pool.read_into(resident, dst, rows)
-                self.pool.touch(resident, ctx)
+                self.pool.read_into([keys[i] for i in rows], dst, rows)
                 # then straight into out's rows (C3 checked), promoted as they are checked; a
                 # block that fails its check ends a prefix there or raises NotFound, the rows
                 # already read then unspecified (the pages promoted are correct: they passed)
@@ -238,6 +242,7 @@ class ReadMixin:
                         raise NotFound(f"{len(missing)} of {n} keys are not stored (or failed their checksum): "
                                        f"{describe_keys(missing)}")
                     n = absent_rows[found.index(False)]
+                self.pool.touch([keys[i] for i in rows if i < n], ctx)  # what the caller gets
             else:
                 self.pool.read_into(keys, dst)
                 self.pool.touch(keys, ctx)

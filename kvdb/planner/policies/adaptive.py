@@ -33,8 +33,8 @@ candidate with the largest sum when that sum exceeds ``SWITCH_MARGIN`` of the sa
 and ``SWITCH_Z`` standard deviations of the paired difference (``sqrt(sum d**2)``), so that
 sampling noise alone does not move it but a steady loss of a point of hit ratio does; the sums
 restart after a switch. A mini cache counts hits as the replay does (kvdb/sim/replay.py S1), on
-the sample: the leading run of a call's sampled blocks that it holds. ``score`` (decayed hits)
-and the hit counts are kept for EXPLAIN.
+the sample: the leading run of a call's sampled blocks that it holds. The hit counts are kept for
+EXPLAIN.
 
 Capacity: the policy is never told the tier's capacity (kvdb/sim/replay.py S4). The minis
 evict when the tier does (in a replay after the host's call_finished, in the engine when the
@@ -66,7 +66,7 @@ _SETTINGS = {"gd": ("gd", True), "crf": ("crf", True), "nowf": ("gd", False)}  #
 SAMPLE_RATE = 1.0 / 8
 MIN_MINI_BLOCKS = 64  # a small tier samples more, so that each mini cache holds at least this many
 EPOCH = 256  # sampled block accesses between decisions
-DECAY = 0.9  # each score's weight after a decision: a memory of ~10 epochs
+DECAY = 0.9  # the paired sums' weight after a decision: a memory of ~10 epochs
 WARMUP = 4  # decisions start after this many epochs
 SWITCH_MARGIN = 0.002  # a candidate must lead the ordering in force by this share of the sampled accesses
 SWITCH_Z = 2.0  # ... and by this many standard deviations of the paired difference
@@ -92,7 +92,6 @@ class _Mini:
         self.table: dict[Hashable, int] = {}
         self.owner: list[Hashable] = [None] * n
         self.free = list(range(n - 1, -1, -1))
-        self.score = 0.0
         self.hits = 0
         self.accesses = 0
 
@@ -128,7 +127,6 @@ class _Mini:
                 hit += 1
             frames.append(f)
         self.repl.record_access(frames, ids, ctx)
-        self.score += hit
         self.hits += hit
         self.accesses += len(ids)
         return hit
@@ -168,7 +166,7 @@ class AdaptiveReplacer(Replacer):
         self._cap: int | None = None  # learned capacity of the tier (resident frames after evictions)
         self._evicted_since_access = False
         self._since = 0
-        self._seen = 0.0  # sampled accesses, decayed as the scores are
+        self._seen = 0.0  # sampled accesses, decayed as the paired sums are
         self._pd: dict[str, float] = {}  # per candidate: sum over calls of (its hits - the mode's), decayed
         self._pv: dict[str, float] = {}  # ... and of the squared differences (the paired test's variance)
         self.epochs = 0
@@ -215,8 +213,6 @@ class AdaptiveReplacer(Replacer):
             d = pd.get(best, 0.0)
             if d > SWITCH_MARGIN * self._seen and d > SWITCH_Z * math.sqrt(pv.get(best, 0.0)):
                 self._switch(best)
-        for m in minis.values():
-            m.score *= DECAY
         self._seen *= DECAY
         for c in pd:
             pd[c] *= DECAY
