@@ -61,6 +61,39 @@ def _inside(addr: int, nbytes: int, t: torch.Tensor) -> bool:
     return t.data_ptr() <= addr and addr + nbytes <= t.data_ptr() + t.nbytes
 
 
+def _on_disk(db, n: int, seed: int, durability: str = "group"):
+    """n blocks put straight to disk (adjacent records): their keys and blocks."""
+    keys = db.block_keys(list(range(n * LAYOUT.block_tokens)))
+    b = blocks_for(n, seed=seed)
+    db.put_blocks(keys, b, tier="disk", durability=durability)
+    return keys, b
+
+
+def _flip(db, key: bytes, back: int) -> None:
+    """Flip one bit of the byte ``back`` bytes before the end of key's record on disk."""
+    (e,) = db._cold.lookup([key])
+    fd = os.open(db._cold.reader.segments.path(e.segment_no), os.O_RDWR)
+    try:
+        at = e.offset + e.record_bytes - back
+        os.pwrite(fd, bytes([os.pread(fd, 1, at)[0] ^ 0x01]), at)
+    finally:
+        os.close(fd)
+
+
+def _heard(db, monkeypatch) -> list[list[bytes]]:
+    """The ids of each record_access call the host replacer gets from now on."""
+    repl = db.pool.tiers[HOST].replacer
+    calls: list[list[bytes]] = []
+    real = repl.record_access
+
+    def spy(frames, ids=None, ctx=None):
+        calls.append(list(ids))
+        return real(frames, ids, ctx)
+
+    monkeypatch.setattr(repl, "record_access", spy)
+    return calls
+
+
 def test_disk_reads_land_in_out_and_promote_from_it(tmp_path, monkeypatch):
     # Scenario: 8 blocks put straight to disk (adjacent records), 2 of them then read into
     # memory; a get of all 8 reads the 6 others from disk: every page lands inside out (rows
@@ -112,14 +145,7 @@ def test_a_damaged_block_ends_the_prefix_and_counts(tmp_path, monkeypatch):
         keys = db.block_keys(list(range(4 * LAYOUT.block_tokens)))
         b = blocks_for(4, seed=5)
         db.put_blocks(keys, b, tier="disk", durability="sync")
-        (e,) = db._cold.lookup([keys[2]])
-        seg = db._cold.reader.segments.path(e.segment_no)
-        fd = os.open(seg, os.O_RDWR)
-        try:
-            at = e.offset + e.record_bytes - 7
-            os.pwrite(fd, bytes([os.pread(fd, 1, at)[0] ^ 0xFF]), at)
-        finally:
-            os.close(fd)
+        _flip(db, keys[2], 7)
         out = torch.zeros((4, *LAYOUT.block_shape))
         assert db.get_prefix(keys, out) == 2
         assert torch.equal(out[:2], b[:2])
@@ -233,19 +259,9 @@ def test_a_batch_promoted_a_slice_at_a_time_is_one_request_to_the_replacer(tmp_p
 
     monkeypatch.setattr(read_mod, "READ_SLICE_BYTES", 3 * (53 + PAGE))
     with kvdb.open(tmp_path, layout=LAYOUT, model_id="m", host_bytes=32 * PAGE) as db:
-        keys = db.block_keys(list(range(12 * LAYOUT.block_tokens)))
-        b = blocks_for(12, seed=11)
-        db.put_blocks(keys, b, tier="disk", durability="group")
+        keys, b = _on_disk(db, 12, seed=11)
         db.get_blocks(keys[:1], torch.zeros((1, *LAYOUT.block_shape)))
-        repl = db.pool.tiers[HOST].replacer
-        calls: list[list[bytes]] = []
-        real = repl.record_access
-
-        def spy(frames, ids=None, ctx=None):
-            calls.append(list(ids))
-            return real(frames, ids, ctx)
-
-        monkeypatch.setattr(repl, "record_access", spy)
+        calls = _heard(db, monkeypatch)
         out = torch.zeros((12, *LAYOUT.block_shape))
         db.get_blocks(keys, out)
         assert torch.equal(out, b)
@@ -254,33 +270,19 @@ def test_a_batch_promoted_a_slice_at_a_time_is_one_request_to_the_replacer(tmp_p
 
 def test_get_prefix_reports_only_the_keys_it_returns(tmp_path, monkeypatch):
     # Scenario: keys 0 and 3 resident, 1-2 on disk with block 1 damaged: get_prefix returns 1;
-    # the replacer hears of key 0 only (key 3 lies past the prefix the caller gets), and a
-    # get_blocks that raises NotFound reports no resident key at all.
+    # the replacer hears of key 0 (and of block 2, read good and promoted), not of key 3, past
+    # the prefix the caller gets; a get_blocks that raises NotFound reports no resident key.
     with kvdb.open(tmp_path, layout=LAYOUT, model_id="m", host_bytes=16 * PAGE) as db:
-        keys = db.block_keys(list(range(4 * LAYOUT.block_tokens)))
-        b = blocks_for(4, seed=13)
-        db.put_blocks(keys, b, tier="disk", durability="sync")
+        keys, _b = _on_disk(db, 4, seed=13, durability="sync")
         db.get_blocks([keys[0], keys[3]], torch.zeros((2, *LAYOUT.block_shape)))
-        (e,) = db._cold.lookup([keys[1]])
-        fd = os.open(db._cold.reader.segments.path(e.segment_no), os.O_RDWR)
-        try:
-            at = e.offset + e.record_bytes - 3
-            os.pwrite(fd, bytes([os.pread(fd, 1, at)[0] ^ 0x01]), at)
-        finally:
-            os.close(fd)
-        repl = db.pool.tiers[HOST].replacer
-        heard: list[bytes] = []
-        real = repl.record_access
-
-        def spy(frames, ids=None, ctx=None):
-            heard.extend(ids)
-            return real(frames, ids, ctx)
-
-        monkeypatch.setattr(repl, "record_access", spy)
+        _flip(db, keys[1], 3)
+        calls = _heard(db, monkeypatch)
         out = torch.zeros((4, *LAYOUT.block_shape))
         assert db.get_prefix(keys, out) == 1
-        assert keys[3] not in heard and keys[0] in heard and keys[1] not in heard
-        heard.clear()
+        heard = [k for c in calls for k in c]
+        assert keys[0] in heard and keys[1] not in heard and keys[3] not in heard
+        calls.clear()
         with pytest.raises(NotFound):
             db.get_blocks(keys, out)
+        heard = [k for c in calls for k in c]
         assert keys[0] not in heard and keys[3] not in heard
