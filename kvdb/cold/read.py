@@ -63,10 +63,10 @@ def check_raw(key: bytes, e: iv.BlockEntry, head: bytearray, row: np.ndarray) ->
 
 
 def check_slice(keys: list[bytes], entries: list, heads: np.ndarray, pages: list, whole: int) -> list[bool]:
-    """C3 for raw pages read back to back: ``heads`` uint8 [k, PUT_PAYLOAD_OFFSET] holds the
-    records' leading bytes, ``pages[j]`` the page read after head j; ``whole``: how many
-    records the read returned in full (the rest are misses). The header fields are compared
-    for the whole slice at once; the crc runs per record (native, GIL released)."""
+    """``check_raw`` of every record of a slice read back to back, the header fields compared
+    for the whole slice at once: ``heads`` uint8 [k, PUT_PAYLOAD_OFFSET] holds the records'
+    leading bytes, ``pages[j]`` the page read after head j; ``whole``: how many records the
+    read returned in full (the rest are misses). The crc runs per record (native, GIL released)."""
     k = len(keys)
     h = heads.view(PUT_HEAD_DTYPE).reshape(k)
     good = (h["length"].astype(np.int64) + RECORD_HEADER_BYTES == np.fromiter((e.record_bytes for e in entries), np.int64, k)) \

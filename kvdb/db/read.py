@@ -99,13 +99,10 @@ class ReadMixin:
     def _promote_from_disk(self, keys: list[bytes], src: torch.Tensor, rows: list[int] | None = None,
                            defer: list | None = None) -> None:
         """Place pages read from disk in the host tier (clean: they are on disk already), copied
-        from ``src[rows[i]]`` (rows default 0..n-1): the rows the read landed in. ``defer``:
+        from ``src[rows[i]]`` (rows default 0..n-1): the rows the read landed in; ``keys``
+        distinct. ``defer``:
         the pool's ``insert`` list of replacer notices (``record_inserted``)."""
-        rows = list(range(len(keys))) if rows is None else rows
-        first = {k: r for k, r in reversed(list(zip(keys, rows)))}  # a key twice: its first row
-        if len(first) != len(keys):
-            keys, rows = list(first), list(first.values())
-        if keys:
+        if keys:  # each key once (the callers see to it: insert takes keys not resident)
             self.pool.insert(keys, src, [-1] * len(keys), dirty=False, start_tier=HOST, rows=rows, defer=defer)
 
     def _stage(self, k: int) -> torch.Tensor:

@@ -58,3 +58,16 @@ def test_each_mismatch_fails_its_record_only(what):
         want[j] = False
     assert got == want
     assert all(type(x) is bool for x in got)  # callers test `is True`
+
+
+def test_it_agrees_with_check_raw_record_by_record():
+    # check_slice is check_raw (the per-entry path's C3) over a slice: the same verdict per record
+    from kvdb.cold.read import check_raw
+
+    keys, entries, heads, pages = _slice()
+    pages[1, 3] ^= 0x40
+    entries[3] = entries[3]._replace(lsn=entries[3].lsn + 2)
+    keys[4] = b"\xab" * 16
+    want = [check_raw(k, e, bytearray(heads[j].tobytes()), pages[j]) for j, (k, e) in enumerate(zip(keys, entries))]
+    assert want == [True, False, True, False, False, True]
+    assert check_slice(keys, entries, heads, list(pages), len(keys)) == want
