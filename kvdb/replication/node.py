@@ -51,6 +51,7 @@ import contextlib
 import logging
 import socket
 import threading
+import time
 
 from kvdb.errors import AuthError, InvalidInput, KvdbError, ReplicationError
 from kvdb.replication.attach import replicator_of
@@ -115,6 +116,7 @@ class NodeServer(NodeRequests):
         self._channels: set[Channel] = set()
         self._handshaking = 0  # accepted connections not yet authenticated (each has a thread)
         self._pending: set[socket.socket] = set()  # their sockets (stop() wakes them)
+        self._conn_threads: set[threading.Thread] = set()  # live connection threads (stop() joins them)
         self._free_regions: list[Region] = []  # landing regions of closed connections, for reuse
         self.counters = {"connections": 0, **dict.fromkeys(_HANDSHAKE_OUTCOMES, 0), "corrupt_frames": 0,
                          "blocks_received": 0, "bytes_received": 0, "blocks_landed_in_arena": 0, "lookups": 0,
@@ -169,6 +171,13 @@ class NodeServer(NodeRequests):
                 pass
         if self._thread is not None:
             self._thread.join(5)
+        # join the connection threads too: a daemon thread still unwinding when the interpreter
+        # exits is killed inside torch's C++ destructors and aborts the process
+        deadline = time.monotonic() + 5
+        with self._lock:
+            threads = [t for t in self._conn_threads if t is not threading.current_thread()]
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
         if self._arena is not None:
             self.transport.unregister(self._arena)
             self._arena = None
@@ -251,12 +260,17 @@ class NodeServer(NodeRequests):
                     self._handshaking += 1
                     self._pending.add(conn)
             if not busy:
+                t = threading.Thread(target=self._serve_conn, args=(conn, peer), name=f"kvdb-conn-{peer}",
+                                     daemon=True)
+                with self._lock:  # ended threads leave the set here (stop() must see one still unwinding)
+                    self._conn_threads = {x for x in self._conn_threads if x.is_alive()}
+                    self._conn_threads.add(t)
                 try:
-                    threading.Thread(target=self._serve_conn, args=(conn, peer), name=f"kvdb-conn-{peer}",
-                                     daemon=True).start()
+                    t.start()
                     continue
                 except RuntimeError:  # no thread to be had: refuse it like one over the cap
                     with self._lock:
+                        self._conn_threads.discard(t)
                         self._handshaking -= 1
                         self._pending.discard(conn)
             self._reject(conn, peer)

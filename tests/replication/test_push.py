@@ -165,3 +165,23 @@ def test_replicator_pushes_pinned_pages_and_fetches_missing_ones(server, tmp_pat
         other.get_blocks(keys[:4], out=out)
         assert torch.equal(out, blocks[:4])
     assert server.status()["counters"]["lookups"] == 1
+
+
+def test_stop_joins_connection_threads(netns, tmp_path):
+    # Scenario: a client still connected when the node stops. stop() returns only once that
+    # connection's thread has ended: a daemon thread still unwinding at interpreter exit dies
+    # inside torch's C++ destructors and aborts the process ("terminate called without an
+    # active exception", seen in CI after a Transfer Engine replication).
+    import threading
+
+    db = kvdb.open(tmp_path / "peer", layout=LAYOUT, model_id="m", host_bytes=64 * LAYOUT.page_bytes, disk_bytes=0)
+    srv = NodeServer(db, "127.0.0.1:0", SECRET, transport="tcp").start()
+    p = Peer(srv.address, secret=SECRET, transport="tcp")
+    try:
+        p.push(make_keys(3, tag=1), make_blocks(3, seed=1), durability="none")
+        assert any(t.name.startswith("kvdb-conn-") for t in threading.enumerate())
+        srv.stop()
+        assert [t.name for t in threading.enumerate() if t.name.startswith("kvdb-conn-")] == []
+    finally:
+        p.close()
+        db.close()

@@ -50,6 +50,7 @@ import os
 import socket
 import struct
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -348,6 +349,7 @@ class _Server:
         self.sock.bind(name)
         self.sock.listen(8)
         self._conns: set[socket.socket] = set()
+        self._threads: list[threading.Thread] = []  # close() joins them (see NodeServer.stop)
         self._closed = False
         self._thread = threading.Thread(target=self._accept, name="kvdb-vllm-lookup", daemon=True)
         self._thread.start()
@@ -362,7 +364,9 @@ class _Server:
                 conn.close()  # T1
                 continue
             self._conns.add(conn)
-            threading.Thread(target=self._serve, args=(conn,), name="kvdb-vllm-conn", daemon=True).start()
+            t = threading.Thread(target=self._serve, args=(conn,), name="kvdb-vllm-conn", daemon=True)
+            self._threads = [x for x in self._threads if x.is_alive()] + [t]
+            t.start()
 
     def _serve(self, conn: socket.socket) -> None:
         try:
@@ -386,6 +390,11 @@ class _Server:
                 c.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
+        self._thread.join(5)
+        deadline = time.monotonic() + 5
+        for t in self._threads:
+            if t is not threading.current_thread():
+                t.join(max(0.0, deadline - time.monotonic()))
 
 
 class ServiceClient:
