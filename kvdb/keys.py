@@ -300,6 +300,12 @@ class KeySpace:
 
 def normalize_keys(keys) -> list[BlockKey]:
     """Keys as a list of 16-byte ``bytes``; accepts a list/tuple of bytes or an [n, 16] uint8 array."""
+    if type(keys) is list:  # the common case, without the abc checks below (~1 us)
+        for k in keys:
+            if type(k) is not bytes or len(k) != KEY_BYTES:
+                break
+        else:
+            return keys
     if isinstance(keys, np.ndarray):
         if keys.dtype != np.uint8 or keys.ndim != 2 or keys.shape[1] != KEY_BYTES:
             raise InvalidInput(f"a key array must be uint8 [n, {KEY_BYTES}], got {keys.dtype} {keys.shape}")

@@ -231,7 +231,34 @@ def test_copy_pages_torch_tensors():
     assert not dst[page_bytes : 2 * page_bytes].any()
 
 
-@pytest.mark.parametrize("fn", [native.copy_pages, native.py_copy_pages], ids=["native", "python"])
+def _tensor_copy(dst, dst_frames, src, src_frames, page_bytes):
+    """copy_tensor_pages over numpy test buffers, shared with torch as [pages, page_bytes]."""
+    torch = pytest.importorskip("torch")
+    native.copy_tensor_pages(torch.from_numpy(dst).view(-1, page_bytes), dst_frames,
+                             torch.from_numpy(src).view(-1, page_bytes), src_frames, page_bytes)
+
+
+@given(case=_copy_case())
+def test_copy_tensor_pages_matches_python(case):
+    # the arena's path: tensors, short int lists straight to the native copy, the rest through
+    # copy_pages; the same bytes as the Python twin either way
+    page_bytes, num_src, num_dst, src_frames, dst_frames, mode, seed = case
+    rng = np.random.default_rng(seed)
+    src = rng.integers(0, 256, size=num_src * page_bytes, dtype=np.uint8)
+    if mode == "gather":
+        dst_frames, num_dst = None, max(len(src_frames), 1)
+    elif mode == "scatter":
+        src_frames = None
+    dst_tensor = rng.integers(0, 256, size=num_dst * page_bytes, dtype=np.uint8)
+    dst_python = dst_tensor.copy()
+    as_list = (lambda f: None if f is None else [int(x) for x in f])
+    _tensor_copy(dst_tensor, as_list(dst_frames), src, as_list(src_frames), page_bytes)
+    native.py_copy_pages(dst_python, dst_frames, src, src_frames, page_bytes)
+    assert np.array_equal(dst_tensor, dst_python)
+
+
+@pytest.mark.parametrize("fn", [native.copy_pages, native.py_copy_pages, _tensor_copy],
+                         ids=["native", "python", "tensor"])
 def test_copy_pages_rejects_out_of_bounds_frames(fn):
     # the native memcpy has no bounds of its own: these must fail before it runs
     page_bytes = 8
@@ -253,6 +280,8 @@ def test_copy_pages_rejects_out_of_bounds_frames(fn):
         with pytest.raises(InvalidInput, match=msg):
             fn(dst, dst_frames, src, src_frames, page_bytes)
     assert np.array_equal(dst, src[: 2 * page_bytes])  # only the valid case wrote
+    if fn is _tensor_copy:
+        return  # a tensor has no read-only flag nor a page size of 0
     with pytest.raises(InvalidInput, match="page_bytes"):
         fn(dst, [0], src, [0], 0)
     frozen = np.zeros(page_bytes, dtype=np.uint8)

@@ -10,7 +10,7 @@ frames. One run is one torch ``copy_`` of contiguous bytes (memcpy speed, multi-
 ``index_copy_`` on a uint8 arena ran at 0.07-0.15x of it: docs/buffer_pool.md "Pages and
 arenas"). The pool allocates fresh
 frames in ascending order, so a batch of new pages is usually a single run. A scattered batch
-between two CPU tensors is one call into the native page copier (kvdb.native.copy_pages): a
+between two CPU tensors is one call into the native page copier (kvdb.native.copy_tensor_pages): a
 torch ``copy_`` per page costs ~10 us of dispatch, which dominates small pages (measured on
 4 KiB pages: 13 us/page with a copy_ per page, 0.5 us/page native). A single CPU run of at
 most NATIVE_COPY_BYTES goes native too: torch's copy_ of a 64 KiB page splits it over its
@@ -92,10 +92,14 @@ class Arena:
     def _copy(self, dst: torch.Tensor, dst_idx, src: torch.Tensor, src_idx) -> None:
         """dst[dst_idx[i]] := src[src_idx[i]] for whole pages; one of the index lists is a frame
         list, the other rows of a batch (None = 0..n-1)."""
+        cpu = dst.device.type == "cpu" and src.device.type == "cpu"
+        n = len(dst_idx if dst_idx is not None else src_idx)
+        if cpu and n * self.page_bytes <= NATIVE_COPY_BYTES:
+            native.copy_tensor_pages(dst, dst_idx, src, src_idx, self.page_bytes)
+            return
         runs = frame_runs(src_idx if src_idx is not None else range(len(dst_idx)), dst_idx)
-        if dst.device.type == "cpu" and src.device.type == "cpu" \
-                and (len(runs) > 1 or sum(r[2] for r in runs) * self.page_bytes <= NATIVE_COPY_BYTES):
-            native.copy_pages(dst.detach().numpy(), dst_idx, src.detach().numpy(), src_idx, self.page_bytes)
+        if cpu and len(runs) > 1:
+            native.copy_tensor_pages(dst, dst_idx, src, src_idx, self.page_bytes)
             return
         non_blocking = dst.device.type != src.device.type
         for d, s_, n in runs:

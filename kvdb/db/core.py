@@ -368,8 +368,7 @@ class Db(WriteMixin, ReadMixin, MovesMixin, LandingMixin, PlansMixin, AttachedMi
         if not blocks.is_contiguous():
             raise InvalidInput(f"{what} is not contiguous; pass .contiguous()")
         dev = blocks.device.type
-        arena_devs = {"cpu"} | self.pool.devices()
-        if dev not in arena_devs:
+        if dev != "cpu" and dev not in (arena_devs := {"cpu"} | self.pool.devices()):
             raise InvalidInput(f"{what} is on {blocks.device}; this Db's arenas are on {sorted(arena_devs)}")
         return blocks.view(torch.uint8).reshape(shape[0], lay.page_bytes)
 
