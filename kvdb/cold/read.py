@@ -184,6 +184,8 @@ class BlockReader:
         this thread checks the slices already read, a slice at a time (``check_slice``), and
         hands them to ``on_ready``: the device never waits for a check or a promotion except
         the last slice's."""
+        if len(keys) < 2:  # no run: a lone record takes the per-entry path
+            return
         rows = range(len(keys)) if rows is None else rows
         want = PUT_PAYLOAD_OFFSET + self.page_bytes
         cand = sorted((e.segment_no, e.offset, i) for i, e in enumerate(entries)

@@ -226,9 +226,12 @@ class ReadMixin:
                     keys, absent_rows, entries = keys[:n], absent_rows[:stop], entries[:stop]
             if absent_rows:
                 # resident pages first: promoting the pages read from disk may evict them
-                absent = set(absent_rows)
-                rows = [i for i in range(n) if i not in absent]
-                self.pool.read_into([keys[i] for i in rows], dst, rows)
+                if len(absent_rows) == n:
+                    rows = []
+                else:
+                    absent = set(absent_rows)
+                    rows = [i for i in range(n) if i not in absent]
+                    self.pool.read_into([keys[i] for i in rows], dst, rows)
                 # then straight into out's rows (C3 checked), promoted as they are checked; a
                 # block that fails its check ends a prefix there or raises NotFound, the rows
                 # already read then unspecified (the pages promoted are correct: they passed)
