@@ -118,6 +118,36 @@ def test_disk_reads_land_in_out_and_promote_from_it(tmp_path, monkeypatch):
         assert torch.equal(out2, b) and spy.preadv_calls == 1
 
 
+def test_a_one_block_read_lands_in_out_and_promotes_from_it(tmp_path, monkeypatch):
+    # Scenario: 3 blocks on disk; one-block gets (the single-key path, ColdStore.get_one): each
+    # page lands in out's row (one preadv), its promotion copies from out; a damaged block is
+    # NotFound with its row zeroed, counted once, and promoted nowhere. get_one's bad
+    # arguments are typed errors.
+    from kvdb.errors import InvalidInput
+
+    with kvdb.open(tmp_path, layout=LAYOUT, model_id="m", host_bytes=16 * PAGE) as db:
+        keys, b = _on_disk(db, 3, seed=4)
+        _flip(db, keys[2], back=PAGE // 2)
+        spy = Spy(db, monkeypatch)
+        out = torch.zeros((2, *LAYOUT.block_shape))
+        db.get_blocks(keys[1:2], out[1:])  # a view: the row is out's second
+        assert torch.equal(out[1], b[1]) and not out[0].any()
+        assert spy.preadv_calls == 1 and all(_inside(a, n, out[1:]) for a, n in spy.pages_read)
+        assert spy.arena_srcs == [out[1:].data_ptr()] and keys[1] in db.pool
+        out[0] = 1
+        with pytest.raises(NotFound):
+            db.get_blocks(keys[2:3], out)
+        assert not out[0].any() and keys[2] not in db.pool
+        assert db._cold.stats()["corruptions"] == 1 and spy.arena_pages == 1
+        (e,) = db._cold.lookup(keys[:1])
+        row = np.zeros((1, PAGE), dtype=np.uint8)
+        for bad in ((keys[0][:8], row, 0), (keys[0], row, 1), (keys[0], row[:, :8], 0),
+                    (keys[0], row.astype(np.int16), 0), (keys[0], "row", 0)):
+            with pytest.raises(InvalidInput):
+                db._cold.get_one(bad[0], bad[1], bad[2], e)
+        assert db._cold.get_one(keys[0], row, 0, e) and (row == b[0].view(torch.uint8).reshape(-1).numpy()).all()
+
+
 def test_scattered_disk_rows_each_read_once(tmp_path, monkeypatch):
     # Scenario: disk keys at rows 1, 3, 4 of out (rows 0 and 2 resident): each page is read once
     # straight into its own row, and a key asked twice is promoted once.

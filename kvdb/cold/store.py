@@ -440,25 +440,17 @@ class ColdStore:
                 or out.shape[1] != self.page_bytes or out.shape[0] < top or not out.flags.c_contiguous \
                 or min(rows, default=0) < 0:
             raise InvalidInput(f"out must be a C-contiguous uint8 numpy array [>= {top}, {self.page_bytes}]")
-        results = self.reader.read_into(keys, entries or self.lookup(keys), out, rows, on_ready)
-        found = [False] * len(keys)
-        hits = misses = bad = 0
-        for i, ok in enumerate(results):
-            if ok is None:  # moved by compaction between lookup and read: look again once
-                (e2,) = self.lookup([keys[i]])
-                ok = "absent" if e2 is None else bool(self.reader.read_entry(keys[i], e2, out[rows[i]]))
-                if ok is True and on_ready is not None:
-                    on_ready([i])
-            if ok is True:
-                found[i] = True
-                hits += 1
-            else:
-                misses += 1
-                if ok is False:
-                    out[rows[i]] = 0
-                    bad += 1
-        self.count(hits=hits, misses=misses, corruptions=bad)
-        return found
+        return self.reader.read_checked(keys, entries or self.lookup(keys), out, rows, on_ready, self.lookup)
+
+    def get_one(self, key: bytes, out: np.ndarray, row: int, entry) -> bool:
+        """``get_into`` of one key into ``out[row]`` (uint8 [m, page_bytes]), ``entry`` its
+        ``lookup`` just made, without the batch's checks and run planning (the one-block read)."""
+        self.check()
+        if type(key) is not bytes or len(key) != KEY_BYTES or not isinstance(out, np.ndarray) or out.dtype != np.uint8 \
+                or out.shape[1:] != (self.page_bytes,) or not out.flags.c_contiguous or not 0 <= row < out.shape[0]:
+            raise InvalidInput(f"get_one takes a {KEY_BYTES}-byte key and a row of C-contiguous uint8 "
+                               f"[m, {self.page_bytes}]")
+        return self.reader.read_checked([key], [entry], out, [row], None, self.lookup)[0]
 
     # ------------------------------------------------------------------ reporting, compaction
 
