@@ -142,7 +142,7 @@ def test_a_one_block_read_lands_in_out_and_promotes_from_it(tmp_path, monkeypatc
         (e,) = db._cold.lookup(keys[:1])
         row = np.zeros((1, PAGE), dtype=np.uint8)
         for bad in ((keys[0][:8], row, 0), (keys[0], row, 1), (keys[0], row[:, :8], 0),
-                    (keys[0], row.astype(np.int16), 0), (keys[0], "row", 0)):
+                    (keys[0], row.astype(np.int16), 0), (keys[0], "row", 0), (keys[0], row, "0")):
             with pytest.raises(InvalidInput):
                 db._cold.get_one(bad[0], bad[1], bad[2], e)
         assert db._cold.get_one(keys[0], row, 0, e) and (row == b[0].view(torch.uint8).reshape(-1).numpy()).all()

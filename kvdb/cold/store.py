@@ -447,7 +447,8 @@ class ColdStore:
         ``lookup`` just made, without the batch's checks and run planning (the one-block read)."""
         self.check()
         if type(key) is not bytes or len(key) != KEY_BYTES or not isinstance(out, np.ndarray) or out.dtype != np.uint8 \
-                or out.shape[1:] != (self.page_bytes,) or not out.flags.c_contiguous or not 0 <= row < out.shape[0]:
+                or out.shape[1:] != (self.page_bytes,) or not out.flags.c_contiguous or type(row) is not int \
+                or not 0 <= row < out.shape[0]:
             raise InvalidInput(f"get_one takes a {KEY_BYTES}-byte key and a row of C-contiguous uint8 "
                                f"[m, {self.page_bytes}]")
         return self.reader.read_checked([key], [entry], out, [row], None, self.lookup)[0]

@@ -152,8 +152,8 @@ class ReadMixin:
 
     def _read_one(self, key: bytes, dst: torch.Tensor, row: int, entry) -> bool:
         """``_read_disk_into`` of one key into a CPU ``dst[row]``: read in place, checked, then
-        promoted from there, without the batch's slices, callbacks and deferred notices (they
-        cost a one-block call ~15 us of its ~55)."""
+        promoted from there, without the batch's slices, callbacks and deferred notices
+        (docs/durability.md, session 8: ~4-5 us of a one-block call's ~55)."""
         found = self._cold_call(self._cold.get_one, key, dst.detach().numpy(), row, entry)
         if found:
             self._disk_reads += 1
