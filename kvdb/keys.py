@@ -44,7 +44,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import struct
-from typing import Iterable, Sequence
+from typing import Iterable
 
 import numpy as np
 import xxhash
@@ -300,29 +300,24 @@ class KeySpace:
 
 def normalize_keys(keys) -> list[BlockKey]:
     """Keys as a list of 16-byte ``bytes``; accepts a list/tuple of bytes or an [n, 16] uint8 array."""
-    if type(keys) is list:  # the common case, without the abc checks below (~1 us)
-        for k in keys:
-            if type(k) is not bytes or len(k) != KEY_BYTES:
-                break
-        else:
-            return keys
-    if isinstance(keys, np.ndarray):
-        if keys.dtype != np.uint8 or keys.ndim != 2 or keys.shape[1] != KEY_BYTES:
-            raise InvalidInput(f"a key array must be uint8 [n, {KEY_BYTES}], got {keys.dtype} {keys.shape}")
-        return split_keys(keys.tobytes())
-    if isinstance(keys, (bytes, bytearray, memoryview, str)):
-        raise InvalidInput(f"keys must be a sequence of {KEY_BYTES}-byte keys, not one {type(keys).__name__} object")
-    if not isinstance(keys, Iterable):
-        raise InvalidInput(f"keys must be a sequence of {KEY_BYTES}-byte keys, got {type(keys).__name__}")
-    out: Sequence = keys if isinstance(keys, list) else list(keys)
-    for k in out:
+    if type(keys) is not list:  # a list (the common case) skips the abc checks (~1 us)
+        if isinstance(keys, np.ndarray):
+            if keys.dtype != np.uint8 or keys.ndim != 2 or keys.shape[1] != KEY_BYTES:
+                raise InvalidInput(f"a key array must be uint8 [n, {KEY_BYTES}], got {keys.dtype} {keys.shape}")
+            return split_keys(keys.tobytes())
+        if isinstance(keys, (bytes, bytearray, memoryview, str)):
+            raise InvalidInput(f"keys must be a sequence of {KEY_BYTES}-byte keys, not one {type(keys).__name__} object")
+        if not isinstance(keys, Iterable):
+            raise InvalidInput(f"keys must be a sequence of {KEY_BYTES}-byte keys, got {type(keys).__name__}")
+        keys = list(keys)
+    for k in keys:
         if type(k) is not bytes or len(k) != KEY_BYTES:
             break
     else:
-        return out  # type: ignore[return-value]
+        return keys
     # slow path: convert bytearray / memoryview keys, checking every one (not just the first)
     fixed = []
-    for k in out:
+    for k in keys:
         if not isinstance(k, (bytes, bytearray, memoryview)) or memoryview(k).nbytes != KEY_BYTES:
             raise InvalidInput(f"each key must be {KEY_BYTES} bytes, got {k!r:.60}")
         fixed.append(BlockKey(bytes(k)))

@@ -119,10 +119,9 @@ def test_disk_reads_land_in_out_and_promote_from_it(tmp_path, monkeypatch):
 
 
 def test_a_one_block_read_lands_in_out_and_promotes_from_it(tmp_path, monkeypatch):
-    # Scenario: 3 blocks on disk; one-block gets (the single-key path, ColdStore.get_one): each
-    # page lands in out's row (one preadv), its promotion copies from out; a damaged block is
-    # NotFound with its row zeroed, counted once, and promoted nowhere. get_one's bad
-    # arguments are typed errors.
+    # Scenario: 3 blocks on disk; one-block gets: each page lands in out's row (one preadv), its
+    # promotion copies from out; a damaged block is NotFound with its row zeroed, counted once,
+    # and promoted nowhere. The store's one-key reads take typed errors for bad arguments.
     from kvdb.errors import InvalidInput
 
     with kvdb.open(tmp_path, layout=LAYOUT, model_id="m", host_bytes=16 * PAGE) as db:
@@ -139,13 +138,14 @@ def test_a_one_block_read_lands_in_out_and_promotes_from_it(tmp_path, monkeypatc
             db.get_blocks(keys[2:3], out)
         assert not out[0].any() and keys[2] not in db.pool
         assert db._cold.stats()["corruptions"] == 1 and spy.arena_pages == 1
-        (e,) = db._cold.lookup(keys[:1])
+        entries = db._cold.lookup(keys[:1])
         row = np.zeros((1, PAGE), dtype=np.uint8)
         for bad in ((keys[0][:8], row, 0), (keys[0], row, 1), (keys[0], row[:, :8], 0),
                     (keys[0], row.astype(np.int16), 0), (keys[0], "row", 0), (keys[0], row, "0")):
             with pytest.raises(InvalidInput):
-                db._cold.get_one(bad[0], bad[1], bad[2], e)
-        assert db._cold.get_one(keys[0], row, 0, e) and (row == b[0].view(torch.uint8).reshape(-1).numpy()).all()
+                db._cold.get_into([bad[0]], bad[1], [bad[2]], entries)
+        assert db._cold.get_into(keys[:1], row, [0], entries) == [True]
+        assert (row == b[0].view(torch.uint8).reshape(-1).numpy()).all()
 
 
 def test_scattered_disk_rows_each_read_once(tmp_path, monkeypatch):

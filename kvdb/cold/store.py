@@ -53,6 +53,7 @@ Locks (in the order they may nest)
 from __future__ import annotations
 
 import contextlib
+import operator
 import threading
 from pathlib import Path
 
@@ -310,8 +311,7 @@ class ColdStore:
     def count_lookups(self, hits: int, misses: int) -> None:
         """The Db's prefix lookups: ``hits`` blocks found on this tier only, ``misses`` lookups
         no tier answered. Kept here so that they are persisted with the store's counters."""
-        if hits or misses:
-            self.count(lookup_hits=hits, lookup_misses=misses)
+        self.count(lookup_hits=hits, lookup_misses=misses)
 
     def add_durable_listener(self, fn) -> None:
         """Call ``fn(lsn)`` each time the log is durable up to ``lsn`` (after each group commit,
@@ -431,27 +431,34 @@ class ColdStore:
         ``on_ready(indices)``: told each hit once, in this thread, as soon as it is checked."""
         self.check()
         keys = self._validate_keys(keys)
-        if rows is None:
-            rows = range(len(keys))
-        elif len(rows) != len(keys):
-            raise InvalidInput(f"rows names {len(rows)} rows for {len(keys)} keys")
-        top = max(rows, default=-1) + 1
-        if not isinstance(out, np.ndarray) or out.dtype != np.uint8 or out.ndim != 2 \
-                or out.shape[1] != self.page_bytes or out.shape[0] < top or not out.flags.c_contiguous \
-                or min(rows, default=0) < 0:
-            raise InvalidInput(f"out must be a C-contiguous uint8 numpy array [>= {top}, {self.page_bytes}]")
-        return self.reader.read_checked(keys, entries or self.lookup(keys), out, rows, on_ready, self.lookup)
-
-    def get_one(self, key: bytes, out: np.ndarray, row: int, entry) -> bool:
-        """``get_into`` of one key into ``out[row]`` (uint8 [m, page_bytes]), ``entry`` its
-        ``lookup`` just made, without the batch's checks and run planning (the one-block read)."""
-        self.check()
-        if type(key) is not bytes or len(key) != KEY_BYTES or not isinstance(out, np.ndarray) or out.dtype != np.uint8 \
-                or out.shape[1:] != (self.page_bytes,) or not out.flags.c_contiguous or type(row) is not int \
-                or not 0 <= row < out.shape[0]:
-            raise InvalidInput(f"get_one takes a {KEY_BYTES}-byte key and a row of C-contiguous uint8 "
-                               f"[m, {self.page_bytes}]")
-        return self.reader.read_checked([key], [entry], out, [row], None, self.lookup)[0]
+        rows = range(len(keys)) if rows is None else rows
+        try:
+            top, low = operator.index(max(rows, default=-1)) + 1, operator.index(min(rows, default=0))
+        except TypeError:  # rows that are not ints
+            top = low = -1
+        if len(rows) != len(keys) or low < 0 or not isinstance(out, np.ndarray) or out.dtype != np.uint8 \
+                or out.ndim != 2 or out.shape[1] != self.page_bytes or out.shape[0] < top or not out.flags.c_contiguous:
+            raise InvalidInput(f"rows must name one row (an int) of out per key, out a C-contiguous uint8 numpy "
+                               f"array [>= {top}, {self.page_bytes}]; got {len(rows)} rows for {len(keys)} keys")
+        results = self.reader.read_into(keys, entries or self.lookup(keys), out, rows, on_ready)
+        found = [False] * len(keys)
+        hits = misses = bad = 0
+        for i, ok in enumerate(results):
+            if ok is None:  # moved by compaction between lookup and read: look again once
+                (e2,) = self.lookup([keys[i]])
+                ok = "absent" if e2 is None else bool(self.reader.read_entry(keys[i], e2, out[rows[i]]))
+                if ok is True and on_ready is not None:
+                    on_ready([i])
+            if ok is True:
+                found[i] = True
+                hits += 1
+            else:
+                misses += 1
+                if ok is False:
+                    out[rows[i]] = 0
+                    bad += 1
+        self.count(hits=hits, misses=misses, corruptions=bad)
+        return found
 
     # ------------------------------------------------------------------ reporting, compaction
 

@@ -150,16 +150,6 @@ class ReadMixin:
                 torch.cuda.current_stream(dst.device).synchronize()
         return found
 
-    def _read_one(self, key: bytes, dst: torch.Tensor, row: int, entry) -> bool:
-        """``_read_disk_into`` of one key into a CPU ``dst[row]``: read in place, checked, then
-        promoted from there, without the batch's slices, callbacks and deferred notices
-        (docs/durability.md, session 8: ~4-5 us of a one-block call's ~55)."""
-        found = self._cold_call(self._cold.get_one, key, dst.detach().numpy(), row, entry)
-        if found:
-            self._disk_reads += 1
-            self._promote_from_disk([key], dst, [row])
-        return found
-
     def _load_from_disk(self, keys: list[bytes]) -> tuple[list[bytes], list[bytes]]:
         """Read keys from the disk tier into memory (promotion; caller holds the lock). Returns
         (loaded, missing). The pages are read straight into host frames lent for them (pool
@@ -245,10 +235,7 @@ class ReadMixin:
                 # then straight into out's rows (C3 checked), promoted as they are checked; a
                 # block that fails its check ends a prefix there or raises NotFound, the rows
                 # already read then unspecified (the pages promoted are correct: they passed)
-                if len(absent_rows) == 1 and self._reads_in_place(dst):
-                    found = [self._read_one(keys[absent_rows[0]], dst, absent_rows[0], entries[0])]
-                else:
-                    found = self._read_disk_into([keys[i] for i in absent_rows], dst, absent_rows, entries)
+                found = self._read_disk_into([keys[i] for i in absent_rows], dst, absent_rows, entries)
                 if not all(found):
                     if not prefix:
                         missing = [keys[i] for i, f in zip(absent_rows, found) if not f]

@@ -51,7 +51,6 @@ import contextlib
 import logging
 import socket
 import threading
-import time
 
 from kvdb.errors import AuthError, InvalidInput, KvdbError, ReplicationError
 from kvdb.replication.attach import replicator_of
@@ -60,6 +59,7 @@ from kvdb.replication.namespace import namespace_of
 from kvdb.replication.protocol import PREAUTH_MAX_BYTES, ErrorCode, FrameError, OversizeFrame
 from kvdb.replication.requests import NodeRequests
 from kvdb.replication.transport import Region, Transport, get_transport
+from kvdb.threads import join_all
 
 log = logging.getLogger("kvdb.replication")
 
@@ -171,13 +171,9 @@ class NodeServer(NodeRequests):
                 pass
         if self._thread is not None:
             self._thread.join(5)
-        # join the connection threads too: a daemon thread still unwinding when the interpreter
-        # exits is killed inside torch's C++ destructors and aborts the process
-        deadline = time.monotonic() + 5
         with self._lock:
-            threads = [t for t in self._conn_threads if t is not threading.current_thread()]
-        for t in threads:
-            t.join(max(0.0, deadline - time.monotonic()))
+            threads = list(self._conn_threads)
+        join_all(threads, 5)  # the connection threads too (kvdb/threads.py)
         if self._arena is not None:
             self.transport.unregister(self._arena)
             self._arena = None

@@ -50,12 +50,12 @@ import os
 import socket
 import struct
 import threading
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvdb.errors import KvdbError
 from kvdb.prompts.wire import from_params
+from kvdb.threads import join_all
 
 log = logging.getLogger("kvdb.vllm")
 
@@ -349,7 +349,7 @@ class _Server:
         self.sock.bind(name)
         self.sock.listen(8)
         self._conns: set[socket.socket] = set()
-        self._threads: list[threading.Thread] = []  # close() joins them (see NodeServer.stop)
+        self._threads: list[threading.Thread] = []  # close() joins them (kvdb/threads.py)
         self._closed = False
         self._thread = threading.Thread(target=self._accept, name="kvdb-vllm-lookup", daemon=True)
         self._thread.start()
@@ -391,10 +391,7 @@ class _Server:
             except OSError:
                 pass
         self._thread.join(5)
-        deadline = time.monotonic() + 5
-        for t in self._threads:
-            if t is not threading.current_thread():
-                t.join(max(0.0, deadline - time.monotonic()))
+        join_all(self._threads, 5)
 
 
 class ServiceClient:
