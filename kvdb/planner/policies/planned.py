@@ -28,9 +28,11 @@ Victim order: expired plans are demoted; then (1) an unplanned block at or below
 needed within Tc would not survive anyway) or nothing unplanned is left; (3) the unplanned
 block with the least H. Ties go to the deeper block (R3): keys carry -depth.
 
-Costs per access: O(log n) heap pushes; stale heap entries are skipped lazily and compacted.
-Re-planning touches only agents whose estimate moved by more than 0.5 s, plus the agent
-that just ran. Reads only the past, declared workflows and hints (no peeking; tests/sim
+Plans are kept per agent (kvdb.planner.policies.agentplans): a block only its agent wants
+follows that agent's one heap entry, so re-planning an agent costs O(log agents) plus its
+shared blocks, not its whole chain. Costs per access: O(log n) heap pushes; stale heap entries
+are skipped lazily and compacted. Re-planning happens only for agents whose estimate moved by
+more than 0.5 s, plus the agent that just ran. Reads only the past, declared workflows and hints (no peeking; tests/sim
 check it).
 """
 
@@ -51,23 +53,18 @@ from kvdb.planner.events import (
     SessionBegan,
     SessionEnded,
 )
+from kvdb.planner.policies.agentplans import ABSENT, HINT, LISTED, PINNED, AgentPlans
 from kvdb.planner.policies.heap import top_live
-from kvdb.planner.policies.nextuse import (
-    LLM_CALL_S,
-    NextUseEstimator,
-    deadline,
-    hint_plan,
-)
+from kvdb.planner.policies.nextuse import LLM_CALL_S, NextUseEstimator, hint_plan
 from kvdb.planner.policies.reuse import ReuseEstimator
 
-ABSENT, LISTED, PINNED = 0, 1, 2
 VALUE_CAP = 64
 TC_ALPHA = 0.05  # EWMA weight of one victim's age in Tc
 REPLAN_TOLERANCE_S = 0.5
 HALF_LIFE_TICKS = 1000.0  # crf: half-life of a block's recency-frequency, in record_access calls
 
 
-class PlannedReplacer(Replacer):
+class PlannedReplacer(AgentPlans, Replacer):
     name = "kvdb"
 
     def __init__(self, num_frames: int, llm_call_s: float = LLM_CALL_S, unplanned: str = "gd",
@@ -87,18 +84,13 @@ class PlannedReplacer(Replacer):
         self._leaf = bytearray(n)
         self._shared = bytearray(n)
         self._ver = array("q", [0]) * n  # version of the frame's GreedyDual entry
-        self._pver = array("q", [0]) * n  # version of its plan entries
         self._h = array("d", [0.0]) * n
         self._depth = array("i", [0]) * n
         self._hits = array("q", [0]) * n
         self._last_s = array("d", [0.0]) * n
-        self._t_next = array("d", [0.0]) * n
-        self._deadline = array("d", [0.0]) * n
         self._id: list[Hashable] = [None] * n
         self._sess: list[str | None] = [None] * n
         self._gd: list[tuple] = []  # (H, -depth, ver, f)
-        self._plan: list[tuple] = []  # (-t_next, -depth, pver, f)
-        self._expire: list[tuple] = []  # (deadline, pver, f)
         self._reuse = ReuseEstimator(n)  # counts of evicted blocks, value exponent
         self._kls = array("i", [-1]) * n  # first-access class while accessed once, else -1
         self._session_frames: dict[str, set[int]] = {}
@@ -110,9 +102,7 @@ class PlannedReplacer(Replacer):
         self._current: tuple = (None, None)  # (session, agent) of the call in progress
         self._chain_open = False  # whether the current call already started its agent's chain
         self._inc = array("q", [0]) * n  # incarnation: bumped each time the frame is freed
-        self._interest: list[dict | None] = [None] * n  # (session, agent) -> its next start, per frame
-        self._agent_chain: dict[tuple, list[tuple[int, int]]] = {}  # agent -> (frame, inc) of its last call
-        self._agent_plan: dict[tuple, float] = {}  # (session, agent) -> t_next it was planned for
+        self._init_plans(n)  # agents' chains, plans and interests (kvdb.planner.policies.agentplans)
         self._sess_agents: dict[str, dict[tuple, None]] = {}  # session -> its agents with a last chain
         self._next = NextUseEstimator(llm_call_s)  # when each agent calls next
         self._next.use_workflows = bool(workflows)
@@ -154,33 +144,9 @@ class PlannedReplacer(Replacer):
             return
         if not on:
             for agent in list(self._agent_plan):
-                if self._next.has_workflow(agent[0]):
+                if agent[1] is not HINT and self._next.has_workflow(agent[0]):
                     self._plan_agent(agent, None, self._now)
         self._next.use_workflows = bool(on)
-
-    def _set_plan(self, f: int, t_next: float, deadline: float, replace: bool = False) -> None:
-        if not replace and self._planned[f] and self._t_next[f] >= self._now and self._deadline[f] > self._now:
-            t_next = min(t_next, self._t_next[f])  # another session still awaits it
-            deadline = max(deadline, self._deadline[f])
-        self._planned[f] = 1
-        self._ver[f] += 1  # its GreedyDual entry is dead while planned
-        pv = self._pver[f] + 1
-        self._pver[f] = pv
-        self._t_next[f] = t_next
-        self._deadline[f] = deadline
-        heapq.heappush(self._plan, (-t_next, -self._depth[f], pv, f))
-        heapq.heappush(self._expire, (deadline, pv, f))
-        if len(self._plan) > 4 * self.num_frames + 64:
-            live = [g for g in range(self.num_frames) if self._state[g] != ABSENT and self._planned[g]]
-            self._plan = [(-self._t_next[g], -self._depth[g], self._pver[g], g) for g in live]
-            self._expire = [(self._deadline[g], self._pver[g], g) for g in live]
-            heapq.heapify(self._plan)
-            heapq.heapify(self._expire)
-
-    def _unplan(self, f: int) -> None:
-        self._planned[f] = 0
-        self._pver[f] += 1
-        self._push_gd(f)
 
     def _own(self, f: int, sid: str | None) -> None:
         old = self._sess[f]
@@ -210,37 +176,6 @@ class PlannedReplacer(Replacer):
                 continue
             self._plan_agent(key, t, now)
 
-    def _refresh(self, f: int, now: float) -> None:
-        """Re-plan frame f from the agents interested in it."""
-        d = self._interest[f]
-        t = deadline = math.inf
-        if d:
-            dead = None
-            for k, (u, dl) in d.items():
-                if dl < now:  # that agent's plan proved wrong
-                    if dead is None:
-                        dead = []
-                    dead.append(k)
-                elif u < t:
-                    t, deadline = u, dl
-            if dead is not None:
-                for k in dead:
-                    del d[k]
-        if not d:
-            self._interest[f] = None
-            if self._planned[f]:
-                self._unplan(f)
-            return
-        if t == math.inf:  # nobody has anything left to run with it
-            if not self._shared[f]:
-                self._h[f] = self._hc[f] = -math.inf
-            if self._planned[f]:
-                self._unplan(f)
-            else:
-                self._push_gd(f)
-            return
-        self._set_plan(f, t, deadline, replace=True)
-
     # -- Replacer -----------------------------------------------------------------------
     def record_access(self, frames, ids=None, ctx: AccessContext | None = None) -> None:
         if ctx is not None and ctx.now_s > self._now:
@@ -249,12 +184,13 @@ class PlannedReplacer(Replacer):
         sid = ctx.session_id if ctx is not None else None
         hints = ctx.hints if ctx is not None else {}
         prio = 1 + hints.get("priority", 0)
-        plan = hint_plan(hints, now) if (hints and sid is not None) else None
         if sid is not None:
+            plan = hint_plan(hints, now) if hints else None
             if plan is not None and "expected_tool_duration_s" in hints:
                 self._returns[sid] = plan[0]
             else:
                 self._returns.pop(sid, None)
+        self._expire_plans(now)
         state, hits, reuse = self._state, self._hits, self._reuse
         agent = None  # (session, agent) whose last chain this call (re)starts or extends
         new_call = False
@@ -266,7 +202,6 @@ class PlannedReplacer(Replacer):
             else:  # no CallStarted for it: every record_access is a call of its own
                 agent = (sid, None)
                 new_call = True
-            plan = None  # the agent's estimate (nextuse) replaces the per-call hint
         wf = sid is not None and self._next.has_workflow(sid)
         last = len(frames) - 1
         if agent is not None:
@@ -283,9 +218,9 @@ class PlannedReplacer(Replacer):
                 if old:  # the agent moved on: it no longer waits for blocks left out of its new chain
                     keep = set(frames)
                     for f, i in old:
-                        if inc[f] == i and f not in keep and self._interest[f] is not None:
-                            self._interest[f].pop(agent, None)
-                            self._refresh(f, now)
+                        if inc[f] == i and f not in keep:
+                            self._drop_interest(f, agent)
+            self._chain_changed(agent)
         L = self._L
         kls = self._kls
         k1 = reuse.klass(len(frames))
@@ -330,14 +265,11 @@ class PlannedReplacer(Replacer):
                     kls[f] = -1
                     self._h[f] = L + reuse.value(n, VALUE_CAP) * prio
             self._own(f, sid)
-            if plan is not None and not leaf and not self._shared[f]:
-                self._set_plan(f, plan[0], plan[1])
-            elif agent is not None and self._planned[f] and self._deadline[f] > now:
+            if agent is not None and self._planned[f]:
                 pass  # its interested agents re-plan it (at CallFinished, or from on_call below)
             else:  # an access fulfils the plan (or there was none)
                 if self._planned[f]:
-                    self._planned[f] = 0
-                    self._pver[f] += 1
+                    self._unplan_by_access(f)
                 self._push_gd(f)
         if agent is not None:  # learned even under a workflow, so that it is warm if workflows are turned off
             plans = self._next.on_call(agent, hints, now, new_call)
@@ -346,30 +278,6 @@ class PlannedReplacer(Replacer):
                     self._plan_agent(a, t, now)
         if reuse.epoch_due():
             reuse.update(self._tc)
-
-    def _plan_agent(self, agent: tuple, t: float | None, now: float) -> None:
-        """Plan (t) or release (None) the agent's interest in every block of its last chain."""
-        chain = self._agent_chain.get(agent)
-        if not chain:
-            return
-        if t is None:
-            self._agent_plan.pop(agent, None)
-        else:
-            self._agent_plan[agent] = t
-        inc, state, leaf, interest = self._inc, self._state, self._leaf, self._interest
-        for f, i in chain:
-            if inc[f] != i or state[f] == ABSENT or leaf[f]:
-                continue
-            d = interest[f]
-            if t is None:
-                if d is not None and agent in d:
-                    del d[agent]
-                    self._refresh(f, now)
-                continue
-            if d is None:
-                d = interest[f] = {}
-            d[agent] = (t, deadline(t, now))
-            self._refresh(f, now)
 
     def on_event(self, event: Any) -> None:
         if isinstance(event, CallStarted):
@@ -396,27 +304,27 @@ class PlannedReplacer(Replacer):
             if plan is not None and "expected_tool_duration_s" in event.hints:
                 self._returns[event.session_id] = plan[0]
             prio = event.hints.get("priority")
-            for f in sorted(self._session_frames.get(event.session_id, ())):
-                if self._state[f] == ABSENT or self._leaf[f] or self._shared[f]:
-                    continue
+            own = [f for f in sorted(self._session_frames.get(event.session_id, ()))
+                   if self._state[f] != ABSENT and not self._leaf[f] and not self._shared[f]]
+            for f in own:
                 if prio is not None:
                     self._h[f] = self._L + self._reuse.value(self._hits[f], VALUE_CAP) * (1 + prio)
                     self._hc[f] = self._lam * self._tick_of[f] + math.log2(self._crf[f] * (1 + prio))
-                if plan is not None:
-                    self._set_plan(f, plan[0], plan[1])
-                elif not self._planned[f]:
+                if plan is None and not self._planned[f]:
                     self._push_gd(f)
+            if plan is not None and own:  # the session's own frames, planned as one pseudo-agent's chain
+                key = (event.session_id, HINT)
+                self._drop_plan(key)
+                self._agent_chain[key] = [(f, self._inc[f]) for f in own]
+                self._sess_agents.setdefault(event.session_id, {})[key] = None
+                self._plan_agent(key, plan[0], self._now, plan[1])
         elif isinstance(event, SessionEnded):
             self._now = max(self._now, event.now_s)
             self._returns.pop(event.session_id, None)
             agents = list(self._sess_agents.pop(event.session_id, ()))
-            self._next.end(event.session_id, agents)
+            self._next.end(event.session_id, [a for a in agents if a[1] is not HINT])
             for key in agents:
-                for f, i in self._agent_chain.pop(key, ()):
-                    if self._inc[f] == i and self._interest[f] is not None:
-                        self._interest[f].pop(key, None)
-                        self._refresh(f, self._now)
-                self._agent_plan.pop(key, None)
+                self._forget_agent(key)
             for f in sorted(self._session_frames.pop(event.session_id, ())):
                 self._sess[f] = None
                 if self._state[f] == ABSENT or self._shared[f]:
@@ -429,17 +337,13 @@ class PlannedReplacer(Replacer):
 
     def evict(self) -> int | None:
         now = self._now
-        exp = self._expire
-        while exp and exp[0][0] < now:
-            _, pv, f = heapq.heappop(exp)
-            if self._pver[f] == pv and self._planned[f] and self._state[f] != ABSENT:
-                self._unplan(f)
+        self._expire_plans(now)
         g = top_live(self._gd, self._ver, self._state, self._planned, 0)
-        p = top_live(self._plan, self._pver, self._state, self._planned, 1)
+        p = self._planned_victim()
         if g is not None and g[0] <= (self._Lc if self._use_crf else self._L):
             f = g[-1]  # junk (a call's last block, an ended session) or aged out: first to go
-        elif p is not None and (g is None or -p[0] - now > self._tc):
-            f = p[-1]
+        elif p is not None and (g is None or p[0] - now > self._tc):
+            f = p[1]
         elif g is not None:
             f = g[-1]
             if self._use_crf:
@@ -458,7 +362,6 @@ class PlannedReplacer(Replacer):
             self._count -= 1
         self._state[f] = ABSENT
         self._ver[f] += 1
-        self._pver[f] += 1
         self._planned[f] = 0
         bid = self._id[f]
         if bid is not None:
@@ -467,7 +370,7 @@ class PlannedReplacer(Replacer):
         self._hits[f] = 0
         self._kls[f] = -1
         self._inc[f] += 1
-        self._interest[f] = None
+        self._forget_frame(f)
         sid = self._sess[f]
         if sid is not None:
             fs = self._session_frames.get(sid)
@@ -511,7 +414,3 @@ class PlannedReplacer(Replacer):
     def debug_value(self, frame: int) -> float:
         """The frame's GreedyDual value above the floor L, H - L (tests only)."""
         return self._h[frame] - self._L
-
-    def debug_plan(self, frame: int) -> float | None:
-        """The frame's planned next use, None when it is not planned (tests only)."""
-        return self._t_next[frame] if self._planned[frame] and self._state[frame] != ABSENT else None
