@@ -114,6 +114,31 @@ def test_an_expired_plan_unplans_its_blocks():
     assert sorted(r.evict() for _ in range(4)) == [0, 1, 2, 3]
 
 
+def test_a_block_pinned_while_its_agent_was_scanned_is_found_once_unpinned():
+    r, (a,) = _calls([[0, 1, 2, 3]])
+    r._plan_agent(a, 500.0, 1.0)
+    assert r.evict() == 3  # the call's last block
+    r.set_evictable(2, False)
+    assert r.evict() == 1  # the scan passes the pinned block
+    r.set_evictable(2, True)
+    assert [r.evict(), r.evict(), r.evict()] == [2, 0, None]
+
+
+def test_a_planned_block_that_ends_another_call_stays_evictable():
+    """Block 1 is planned for a's next call, then read as the last block of b's call."""
+    r = make_policy("planner", 16)
+    p = Planner([r], clock=lambda: 0.0)
+    p.begin_session("s")
+    for agent, chain in (("a", [0, 1, 2, 3]), ("b", [0, 1])):
+        ctx, _ = p.call_started("s", agent_id=agent, now_s=1.0)
+        r.record_access(chain, chain, ctx)
+        p.call_finished("s", agent_id=agent, now_s=1.0)
+        if agent == "a":
+            r._plan_agent(("s", "a"), 500.0, 1.0)
+    assert sorted(r.evict() for _ in range(4)) == [0, 1, 2, 3]
+    assert r.evict() is None and r.num_evictable() == 0
+
+
 @pytest.mark.parametrize("t", [None, float("inf")])
 def test_a_released_agent_leaves_no_block_planned(t):
     r, (a,) = _calls([[0, 1, 2, 3]])

@@ -183,6 +183,16 @@ class AgentPlans:
                 self._interest[f] = None
             self._frame_update(f)
 
+    def _unpinned(self, f: int) -> None:
+        """Planned frame f can be evicted again: a scan may have passed it while it was pinned,
+        so its agent's scan starts again (P3; a shared frame's entry waited on its heap)."""
+        d = self._interest[f]
+        if d is not None and len(d) == 1:
+            (agent,) = d
+            t = self._agent_plan.get(agent)
+            if t is not None and t != math.inf and agent in self._agent_seq:
+                self._push_agent(agent, t)
+
     def _forget_frame(self, f: int) -> None:
         """Frame f is evicted or removed: out of its agents' shared sets (P4)."""
         d = self._interest[f]
@@ -299,7 +309,7 @@ class AgentPlans:
         if not chain:
             return None
         i = min(self._agent_cur.get(agent, len(chain) - 1), len(chain) - 1)
-        inc, state, leaf, planned, interest = self._inc, self._state, self._leaf, self._planned, self._interest
+        inc, state, planned, interest = self._inc, self._state, self._planned, self._interest
         while i >= 0:
             f, k = chain[i]
             if inc[f] != k or state[f] == ABSENT:
@@ -308,8 +318,8 @@ class AgentPlans:
                 i -= 1
                 continue
             d = interest[f]
-            if state[f] == PINNED or leaf[f] or not planned[f] or not d or len(d) > 1 or agent not in d:
-                i -= 1  # shared frames are on the frames' heap
+            if state[f] == PINNED or not planned[f] or not d or len(d) > 1 or agent not in d:
+                i -= 1  # shared frames are on the frames' heap; a pinned one is looked at again once unpinned
                 continue
             self._agent_cur[agent] = i
             return f

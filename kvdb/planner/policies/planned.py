@@ -391,6 +391,8 @@ class PlannedReplacer(AgentPlans, Replacer):
                 self._h[frame] = self._L + 1
                 self._hc[frame] = self._lam * self._tick
                 self._push_gd(frame)
+            elif self._planned[frame]:
+                self._unpinned(frame)
         elif not evictable and s == LISTED:
             self._state[frame] = PINNED
             self._count -= 1
