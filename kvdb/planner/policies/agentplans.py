@@ -47,7 +47,7 @@ from collections.abc import Hashable
 from kvdb.planner.policies.heap import top_live
 from kvdb.planner.policies.nextuse import deadline
 
-ABSENT, LISTED, PINNED = 0, 1, 2  # frame states (kvdb.planner.policies.planned)
+ABSENT, LISTED, PINNED = 0, 1, 2  # frame states (PlannedReplacer's ``_state``; defined here, below it)
 HINT = ("<session hint>",)  # the agent name of a session's hint plans (never an agent id: not a str)
 
 Agent = tuple[str, Hashable]
@@ -176,9 +176,7 @@ class AgentPlans:
                 if s is not None:
                     s.discard(f)
                 self._pver[f] += 1
-                t = self._agent_plan.get(other)
-                if t is not None and t != math.inf and other in self._agent_seq:
-                    self._push_agent(other, t)
+                self._restart_scan(other)
             elif not d:
                 self._interest[f] = None
             self._frame_update(f)
@@ -188,10 +186,7 @@ class AgentPlans:
         so its agent's scan starts again (P3; a shared frame's entry waited on its heap)."""
         d = self._interest[f]
         if d is not None and len(d) == 1:
-            (agent,) = d
-            t = self._agent_plan.get(agent)
-            if t is not None and t != math.inf and agent in self._agent_seq:
-                self._push_agent(agent, t)
+            self._restart_scan(next(iter(d)))
 
     def _forget_frame(self, f: int) -> None:
         """Frame f is evicted or removed: out of its agents' shared sets (P4)."""
@@ -212,11 +207,17 @@ class AgentPlans:
         """The agent's chain grew or was replaced: its frames need a full pass (P2) and its
         scan a new start (P3)."""
         self._clean.discard(agent)
-        t = self._agent_plan.get(agent)
-        if t is not None and t != math.inf:
-            self._push_agent(agent, t)
+        self._restart_scan(agent)
 
-    def _push_agent(self, agent: Agent, t: float) -> None:
+    def _restart_scan(self, agent: Agent) -> None:
+        """A new heap entry for the agent, its scan starting again at its chain's end (P3); none
+        for an agent with no plan, and an infinite plan is never a victim nor expires."""
+        t = self._agent_plan.get(agent)
+        if t is None:
+            return
+        if t == math.inf:
+            self._agent_seq.pop(agent, None)
+            return
         self._seq += 1
         s = self._agent_seq[agent] = self._seq
         self._agent_cur[agent] = len(self._agent_chain.get(agent, ())) - 1
@@ -253,10 +254,7 @@ class AgentPlans:
                     self._shared_moved(f, agent, t)
                 else:
                     self._frame_update(f)
-        if t == math.inf:
-            self._agent_seq.pop(agent, None)  # never a planned victim, never expires
-        else:
-            self._push_agent(agent, t)
+        self._restart_scan(agent)
 
     def _drop_plan(self, agent: Agent) -> None:
         """The agent's plan is gone (released, expired): its frames lose its interest."""
