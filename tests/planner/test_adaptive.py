@@ -91,22 +91,43 @@ def test_guard_switches_to_lru_and_says_why():
     assert all(v["sampled_accesses"] > 0 for v in c.values())
 
 
+def _small_steady_loss(seed: int, stable_share: float = 0.93):
+    """Mostly calls that every ordering hits (one of 30 blocks that always fit), between them
+    four frequency traps (a hot set read 200 times, then chains re-read within a window): the
+    planner alone loses about a point and a half of hit ratio to LRU, steadily, at a score near 0.84."""
+    rng = random.Random(seed)
+    trap: list[list[int]] = []
+    for phase in range(4):
+        trap += [[10_000_000 + phase * 1000 + rng.randrange(100)] for _ in range(200)]
+        for i in range(1500):
+            c = phase * 100_000 + (i // 40) * 60 + rng.randrange(60)
+            trap.append([c * 4 + k for k in range(4)])
+    calls, j = [], 0
+    while j < len(trap):
+        if rng.random() < stable_share:
+            calls.append([50_000_000 + rng.randrange(30)])
+        else:
+            calls.append(trap[j])
+            j += 1
+    return _trace(calls)
+
+
 def test_a_small_steady_loss_is_caught():
     """The decision is a paired test: each candidate against the ordering in force, call by call
     (both minis see the same calls, so their difference varies far less than their hit counts).
-    Agent workload whose declared workflows mislead the planner by about one point of hit ratio
-    (the agentic-mix shape, 60 sessions, seed 31, 20 % capacity): a margin of 2 % of the score
-    with Poisson noise (the rule before) never switched and the tier stayed 0.011 below LRU; the
-    paired test moves it off ``gd`` and within LRU - 0.005 (the issue's bound)."""
-    from kvdb.sim.generator import generate, load_params
-    from kvdb.sim.replay import capacity_for
-
-    p = load_params(str(ROOT / "tools" / "workflows" / "agents.json"), shape="agentic-mix", seed=31, sessions=60)
-    tr = parse_trace("\n".join(json.dumps(x) for x in generate(p)), source="agentic-mix")
-    cap = capacity_for(tr, 0.2)
+    Here the planner alone stays ~0.015 below LRU at a score of ~0.84: a margin of 2 % of the
+    score with Poisson noise (the rule before) would never switch; the paired test moves the
+    tier off ``gd`` and within LRU - 0.005 (the issue's bound). (The agent workload this test
+    used before, ``--shape agentic-mix --seed 31`` at 20 %, no longer makes the planner lose
+    since an agent waiting on a tool keeps its plan: docs/planner.md.)"""
+    tr = _small_steady_loss(31)
+    cap = 150
+    lru, planner = _hit(tr, "lru", cap), _hit(tr, "planner", cap)
+    assert lru - 0.03 < planner < lru - 0.01  # a small, steady loss
+    assert lru - planner < 0.02 * lru  # under the old rule's margin
     kvdb, guard = _probe(tr, cap)
     assert guard.switches >= 1 and guard.mode != "gd"
-    assert kvdb >= _hit(tr, "lru", cap) - 0.005
+    assert kvdb >= lru - 0.005
 
 
 def test_keeps_the_planner_where_it_wins():

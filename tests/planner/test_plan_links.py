@@ -55,3 +55,35 @@ def test_turning_workflows_off_drops_their_plans_and_links():
     # a planner built without workflows never planned from them (it learns gaps instead)
     _, off = _run({"p": "app/s/c", "a": "app/s/w"}, workflows=False)
     assert 44.0 not in off and 46.0 not in off
+
+
+def test_a_tool_wait_in_an_agents_last_node_survives_other_agents_finishing():
+    """w's last node loops (ReAct): its call waits on a tool, so w calls again when the tool
+    returns. Another agent's call finishing re-plans the session from the workflow, which has
+    nothing left for w; that must not release w's chain while its own hint says it returns."""
+    dag = [{"id": "p", "agent_id": "c"}, {"id": "a", "agent_id": "w", "deps": ["p"]},
+           {"id": "x", "agent_id": "v", "deps": ["p"]}, {"id": "g", "agent_id": "c", "deps": ["a", "x"]}]
+    r = make_policy("planner", 16)
+    p = Planner([r], clock=lambda: 0.0)
+    p.begin_session("s", workflow=dag)
+    ctx, _ = p.call_started("s", node_id="p", agent_id="c", now_s=10.0)
+    r.record_access([0, 1, 2, 3], ["sys0", "sys1", "c0", "cleaf"], ctx)
+    p.call_finished("s", node_id="p", agent_id="c", now_s=10.0)
+    ctx, _ = p.call_started("s", node_id="a", agent_id="w", hints={"expected_tool_duration_s": 3.0}, now_s=12.0)
+    r.record_access([0, 1, 4, 5], ["sys0", "sys1", "w0", "wleaf"], ctx)
+    p.call_finished("s", node_id="a", agent_id="w", hints=ctx.hints, now_s=12.0)
+    back = 12.0 + LLM_CALL_S + 3.0
+    assert r.debug_plan(4) == pytest.approx(back)
+    ctx, _ = p.call_started("s", node_id="x", agent_id="v", now_s=13.0)
+    r.record_access([0, 1, 6, 7], ["sys0", "sys1", "v0", "vleaf"], ctx)
+    p.call_finished("s", node_id="x", agent_id="v", now_s=13.0)
+    assert r.debug_plan(4) == pytest.approx(back)  # w still waits on its tool
+    assert r.debug_value(4) > float("-inf")
+    # w's next call carries no tool hint: its loop (and its last node) is over, its chain released
+    ctx, _ = p.call_started("s", node_id="a", agent_id="w", now_s=back)
+    r.record_access([0, 1, 4, 8, 9], ["sys0", "sys1", "w0", "w1", "wleaf2"], ctx)
+    p.call_finished("s", node_id="a", agent_id="w", now_s=back)
+    ctx, _ = p.call_started("s", node_id="x", agent_id="v", now_s=back + 1)
+    r.record_access([0, 1, 6, 7], ["sys0", "sys1", "v0", "vleaf"], ctx)
+    p.call_finished("s", node_id="x", agent_id="v", now_s=back + 1)
+    assert r.debug_plan(8) is None
