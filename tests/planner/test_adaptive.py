@@ -8,7 +8,6 @@ import os
 import random
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -16,7 +15,6 @@ from kvdb.planner.policies.adaptive import EPOCH, AdaptiveReplacer, sample_hash
 from kvdb.sim.replay import policy_options, replay
 from kvdb.sim.trace import parse_trace
 
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def _trace(calls: list[list[int]]):
