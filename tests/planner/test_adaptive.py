@@ -16,7 +16,6 @@ from kvdb.sim.replay import policy_options, replay
 from kvdb.sim.trace import parse_trace
 
 
-
 def _trace(calls: list[list[int]]):
     return parse_trace("".join(json.dumps({"timestamp": i, "input_length": 16 * len(h), "output_length": 1,
                                             "hash_ids": h}) + "\n" for i, h in enumerate(calls)))
