@@ -7,7 +7,9 @@ the chain's frames (``_plan_agent``) and keeps the frames' interests.
 * Sessions with a declared workflow (``call_finished``): the start of each agent's next LLM
   node on the critical path over the DAG (kvdb.planner.workflow W5), tools taking their
   declared durations or an EWMA of the observed tool waits (a node whose dependency is a tool
-  started when that tool ended).
+  started when that tool ended). An agent whose latest call waits on a tool is left out: it
+  calls again when the tool returns (its hint's estimate, ``on_call``), whatever its node's
+  successors (for an agent in its last node the critical path says "nothing left").
 * Sessions without one (``on_call``), each call of an agent:
   - a tool-wait hint d: after this call (one LLM call) and the tool, now + llm + d; it extends
     the session's wait (until its last tool returns) and re-plans the agents taken to wait
@@ -89,6 +91,7 @@ class NextUseEstimator:
         self._tool_s = TOOL_DEFAULT_S
         self._workflows: dict[str, Workflow] = {}
         self._sess_wait: dict[str, float] = {}  # no-workflow session -> when its last tool wait ends
+        self._on_tool: dict[str, set] = {}  # session -> names of its agents whose latest call waits on a tool
         self._fan_in: dict[str, dict[Agent, tuple[tuple[int, int], int]]] = {}  # session -> waiting agent -> (features, wait epoch)
         self._epoch: dict[str, int] = {}  # no-workflow session -> number of its waits so far
         self._gaps = GapEstimator()  # residuals of next-call estimates, learned online
@@ -118,8 +121,9 @@ class NextUseEstimator:
         return self.use_workflows and session_id in self._workflows
 
     def call_finished(self, session_id: str, node_id: str | None, now: float) -> dict[str, float] | None:
-        """Each agent's next LLM node start (W5) after a call of a workflow session; None
-        for a session without a workflow."""
+        """Each agent's next LLM node start (W5) after a call of a workflow session, but for
+        the agents waiting on a tool (their next call is its return); None for a session
+        without a workflow."""
         wf = self._workflows.get(session_id) if self.use_workflows else None
         if wf is None:
             return None
@@ -128,7 +132,9 @@ class NextUseEstimator:
             seen = self._nodes_seen.setdefault(session_id, set())
             self.repeat_rate += REPEAT_ALPHA * ((node_id in seen) - self.repeat_rate)
             seen.add(node_id)
-        return wf.agent_next_start(now, self.llm_s, self._tool_s)
+        starts = wf.agent_next_start(now, self.llm_s, self._tool_s)
+        busy = self._on_tool.get(session_id)
+        return {a: t for a, t in starts.items() if a not in busy} if busy else starts
 
     def looping(self) -> bool:
         """Whether declared nodes are more often called again than left: agents loop inside
@@ -157,6 +163,11 @@ class NextUseEstimator:
         plans: Plans = []
         waiting = self._fan_in.setdefault(sid, {})
         d = hints.get("expected_tool_duration_s")
+        on_tool = self._on_tool.setdefault(sid, set())
+        if d is not None:
+            on_tool.add(name)
+        else:
+            on_tool.discard(name)
         until = self._sess_wait.get(sid, 0.0)
         epoch = self._epoch.get(sid, 0)
         if d is not None:
@@ -244,6 +255,7 @@ class NextUseEstimator:
         self._workflows.pop(session_id, None)
         self._nodes_seen.pop(session_id, None)
         self._sess_wait.pop(session_id, None)
+        self._on_tool.pop(session_id, None)
         self._fan_in.pop(session_id, None)
         self._epoch.pop(session_id, None)
         for key in agents:

@@ -32,8 +32,8 @@ Plans are kept per agent (kvdb.planner.policies.agentplans): a block only its ag
 follows that agent's one heap entry, so re-planning an agent costs O(log agents) plus its
 shared blocks, not its whole chain. Costs per access: O(log n) heap pushes; stale heap entries
 are skipped lazily and compacted. Re-planning happens only for agents whose estimate moved by
-more than 0.5 s, plus the agent that just ran. Reads only the past, declared workflows and hints (no peeking; tests/sim
-check it).
+more than 0.5 s, plus the agent that just ran. Reads only the past, declared workflows and
+hints (no peeking; tests/sim check it).
 """
 
 from __future__ import annotations
@@ -99,7 +99,6 @@ class PlannedReplacer(AgentPlans, Replacer):
         self._tc = math.inf
         self._now = 0.0
         self._returns: dict[str, float] = {}  # session -> predicted return (from its hints)
-        self._tool_wait: set[tuple] = set()  # agents whose latest call waits on a tool (its hint plans them)
         self._current: tuple = (None, None)  # (session, agent) of the call in progress
         self._chain_open = False  # whether the current call already started its agent's chain
         self._inc = array("q", [0]) * n  # incarnation: bumped each time the frame is freed
@@ -175,8 +174,6 @@ class PlannedReplacer(AgentPlans, Replacer):
             old = self._agent_plan.get(key)
             if key != changed and old is not None and (old == t or abs(old - t) <= REPLAN_TOLERANCE_S):
                 continue
-            if key in self._tool_wait and old is not None:
-                continue  # it calls again when its tool returns (its hint's plan), whatever its node's successors
             self._plan_agent(key, t, now)
 
     # -- Replacer -----------------------------------------------------------------------
@@ -224,10 +221,6 @@ class PlannedReplacer(AgentPlans, Replacer):
                         if inc[f] == i and f not in keep:
                             self._drop_interest(f, agent)
             self._chain_changed(agent)
-            if "expected_tool_duration_s" in hints:
-                self._tool_wait.add(agent)
-            else:
-                self._tool_wait.discard(agent)
         L = self._L
         kls = self._kls
         k1 = reuse.klass(len(frames))
@@ -332,7 +325,6 @@ class PlannedReplacer(AgentPlans, Replacer):
             self._next.end(event.session_id, [a for a in agents if a[1] is not HINT])
             for key in agents:
                 self._forget_agent(key)
-                self._tool_wait.discard(key)
             for f in sorted(self._session_frames.pop(event.session_id, ())):
                 self._sess[f] = None
                 if self._state[f] == ABSENT or self._shared[f]:
