@@ -311,8 +311,7 @@ class ColdStore:
     def count_lookups(self, hits: int, misses: int) -> None:
         """The Db's prefix lookups: ``hits`` blocks found on this tier only, ``misses`` lookups
         no tier answered. Kept here so that they are persisted with the store's counters."""
-        if hits or misses:  # most lookups are answered from memory: no lock for nothing to count
-            self.count(lookup_hits=hits, lookup_misses=misses)
+        self.count(lookup_hits=hits, lookup_misses=misses)
 
     def add_durable_listener(self, fn) -> None:
         """Call ``fn(lsn)`` each time the log is durable up to ``lsn`` (after each group commit,

@@ -79,7 +79,7 @@ class ReadMixin:
         self._disk_hits += disk_hits
         if missed:
             self._lookup_misses += 1
-        if self._cold is not None:
+        if self._cold is not None and (disk_hits or missed):  # no stats lock for nothing to count
             self._cold.count_lookups(disk_hits, 1 if missed else 0)
 
     def contains(self, key) -> bool:
