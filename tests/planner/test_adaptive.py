@@ -183,3 +183,28 @@ def test_the_no_workflow_candidate_appears_with_the_first_workflow():
     c = g.describe()["candidates"]
     assert set(c) == {"gd", "crf", "nowf", "lru"}
     assert c["nowf"] == c["gd"]  # the same past
+
+
+def test_a_mini_treats_only_the_calls_own_last_block_as_partial():
+    """The planner sends a call's last block first (H = L: it is almost always partial, and the
+    next turn's longer prompt changes its hash). A mini cache sees a sample of the call; its last
+    sampled block is usually a full block the next turn reads again, and must keep its value
+    (else the minis misjudged the planner against LRU, kvdb/planner/policies/planned.py
+    ``sampled_call``)."""
+    guard = AdaptiveReplacer(2048, capacity_frames=1024)  # rate 1/8
+    th = guard._threshold
+    sampled = [i for i in range(2000) if sample_hash(i) < th]
+    unsampled = [i for i in range(2000) if sample_hash(i) >= th]
+    mini = guard._minis["gd"]
+    # a call whose last block is not in the sample: every sampled block keeps a value above L
+    call = [sampled[0], unsampled[0], sampled[1], unsampled[1], sampled[2], unsampled[2]]
+    guard.record_access(list(range(6)), call)
+    values = [mini.repl.debug_value(mini.table[b]) for b in sampled[:3]]
+    assert min(values) > 0
+    # a call that ends on a sampled block: that one is the call's partial block, at the floor
+    call = [unsampled[3], sampled[3], unsampled[4], sampled[4]]
+    guard.record_access(list(range(6, 10)), call)
+    assert mini.repl.debug_value(mini.table[sampled[4]]) == 0
+    assert mini.repl.debug_value(mini.table[sampled[3]]) > 0
+    # the real tier's planner is told nothing: its last block is at the floor
+    assert guard.planner.debug_value(9) == 0 and guard.planner.debug_value(5) == 0

@@ -94,6 +94,7 @@ class _Mini:
         self.free = list(range(n - 1, -1, -1))
         self.hits = 0
         self.accesses = 0
+        self.planned = isinstance(repl, PlannedReplacer)
 
     def _evict_one(self) -> bool:
         f = self.repl.evict()
@@ -108,7 +109,7 @@ class _Mini:
         while len(self.table) > cap and self._evict_one():
             pass
 
-    def access(self, ids: list, ctx: AccessContext | None) -> int:
+    def access(self, ids: list, ctx: AccessContext | None, call: tuple[int, bool]) -> int:
         table = self.table
         while sum(1 for b in ids if b not in table) > len(self.free):
             if not self._evict_one():
@@ -126,6 +127,8 @@ class _Mini:
             elif run:
                 hit += 1
             frames.append(f)
+        if self.planned:
+            self.repl.sampled_call(*call)
         self.repl.record_access(frames, ids, ctx)
         self.hits += hit
         self.accesses += len(ids)
@@ -191,7 +194,8 @@ class AdaptiveReplacer(Replacer):
                     sampled = []
                 sampled.append(ids[j])
         if sampled is not None and self._minis:
-            hits = {c: m.access(sampled, ctx) for c, m in self._minis.items()}
+            call = (len(frames), known[frames[-1]] == 2)  # the whole call's length; its last block sampled?
+            hits = {c: m.access(sampled, ctx, call) for c, m in self._minis.items()}
             base = hits.get(self.mode, 0)
             pd, pv = self._pd, self._pv
             for c, h in hits.items():  # paired: each candidate against the ordering in force, call by call

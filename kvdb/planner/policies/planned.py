@@ -98,6 +98,7 @@ class PlannedReplacer(AgentPlans, Replacer):
         self._L = 0.0
         self._tc = math.inf
         self._now = 0.0
+        self._sampled: tuple[int, bool] | None = None  # set by sampled_call for the next access only
         self._returns: dict[str, float] = {}  # session -> predicted return (from its hints)
         self._current: tuple = (None, None)  # (session, agent) of the call in progress
         self._chain_open = False  # whether the current call already started its agent's chain
@@ -223,7 +224,9 @@ class PlannedReplacer(AgentPlans, Replacer):
             self._chain_changed(agent)
         L = self._L
         kls = self._kls
-        k1 = reuse.klass(len(frames))
+        call_len, ends = (len(frames), True) if self._sampled is None else self._sampled
+        self._sampled = None
+        k1 = reuse.klass(call_len)
         self._tick += 1
         tick, crf, tick_of, hc, lam = self._tick, self._crf, self._tick_of, self._hc, self._lam
         for j, f in enumerate(frames):
@@ -250,7 +253,7 @@ class PlannedReplacer(AgentPlans, Replacer):
             hits[f] = n
             self._depth[f] = j
             self._last_s[f] = now
-            leaf = j == last and j > 0
+            leaf = j == last and ends and call_len > 1
             self._leaf[f] = leaf
             if leaf:
                 kls[f] = -1
@@ -278,6 +281,15 @@ class PlannedReplacer(AgentPlans, Replacer):
                     self._plan_agent(a, t, now)
         if reuse.epoch_due():
             reuse.update(self._tc)
+
+    def sampled_call(self, call_blocks: int, ends_call: bool) -> None:
+        """The next ``record_access`` is a spatial sample of a call of ``call_blocks`` blocks
+        (a guard's mini cache, kvdb/planner/policies/adaptive.py); ``ends_call`` says whether
+        its last block is the call's last. Without this the sample's last block would count as
+        the call's partial last block and go first (H = L), though the next turn reads it: a
+        mini at 1/8 then misjudged the planner (agentic mix at 5 %: below LRU in the mini,
+        above it at full size)."""
+        self._sampled = (call_blocks, ends_call)
 
     def on_event(self, event: Any) -> None:
         if isinstance(event, CallStarted):
