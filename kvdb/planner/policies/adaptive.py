@@ -33,8 +33,10 @@ candidate with the largest sum when that sum exceeds ``SWITCH_MARGIN`` of the sa
 and ``SWITCH_Z`` standard deviations of the paired difference (``sqrt(sum d**2)``), so that
 sampling noise alone does not move it but a steady loss of a point of hit ratio does; the sums
 restart after a switch. A mini cache counts hits as the replay does (kvdb/sim/replay.py S1), on
-the sample: the leading run of a call's sampled blocks that it holds. The hit counts are kept for
-EXPLAIN.
+the sample: the leading run of a call's sampled blocks that it holds. A planner mini is told the
+call's length and whether the call's last block is in the sample (``PlannedReplacer.sampled_call``):
+the planner sends a call's last block first as a partial block, and the sample's last block is
+usually a full one the next turn reads. The hit counts are kept for EXPLAIN.
 
 Capacity: the policy is never told the tier's capacity (kvdb/sim/replay.py S4). The minis
 evict when the tier does (in a replay after the host's call_finished, in the engine when the
