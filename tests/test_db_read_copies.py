@@ -145,6 +145,10 @@ def test_a_one_block_read_lands_in_out_and_promotes_from_it(tmp_path, monkeypatc
             with pytest.raises(InvalidInput):
                 db._cold.get_into([bad[0]], bad[1], [bad[2]], entries)
         assert db._cold.get_into(keys[:1], row, [0], entries) == [True]
+        two = np.zeros((2, PAGE), dtype=np.uint8)
+        with pytest.raises(InvalidInput):  # a row between int ends is checked too
+            db._cold.get_into(keys[:2] + keys[:1], np.zeros((3, PAGE), dtype=np.uint8), [0, 1.0, 2])
+        assert db._cold.get_into(keys[:2], two, [1, 0]) == [True, True]
         assert (row == b[0].view(torch.uint8).reshape(-1).numpy()).all()
 
 

@@ -53,7 +53,6 @@ Locks (in the order they may nest)
 from __future__ import annotations
 
 import contextlib
-import operator
 import threading
 from pathlib import Path
 
@@ -432,10 +431,8 @@ class ColdStore:
         self.check()
         keys = self._validate_keys(keys)
         rows = range(len(keys)) if rows is None else rows
-        try:
-            top, low = operator.index(max(rows, default=-1)) + 1, operator.index(min(rows, default=0))
-        except TypeError:  # rows that are not ints
-            top = low = -1
+        ints = type(rows) is range or all(type(r) is int for r in rows)  # every row, not just the ends
+        top, low = (max(rows, default=-1) + 1, min(rows, default=0)) if ints else (-1, -1)
         if len(rows) != len(keys) or low < 0 or not isinstance(out, np.ndarray) or out.dtype != np.uint8 \
                 or out.ndim != 2 or out.shape[1] != self.page_bytes or out.shape[0] < top or not out.flags.c_contiguous:
             raise InvalidInput(f"rows must name one row (an int) of out per key, out a C-contiguous uint8 numpy "
