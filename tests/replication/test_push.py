@@ -14,7 +14,7 @@ from kvdb.errors import AuthError, InvalidInput, ReplicationError
 from kvdb.replication import NodeServer, Peer
 from kvdb.replication.transport import MooncakeTransport
 
-from .conftest import LAYOUT, SECRET, TRANSPORTS, make_blocks, make_keys, needs_te
+from .conftest import LAYOUT, SECRET, TRANSPORTS, make_blocks, make_keys, needs_te, wait_for
 
 
 @pytest.fixture
@@ -67,6 +67,9 @@ def test_wrong_secret_is_refused_and_counted(server):
     with pytest.raises(AuthError, match="no replication secret"):
         Peer(server.address, secret=b"", transport="tcp")
     with Peer(server.address, secret=SECRET, transport="tcp") as p:
+        # the client gives up as soon as it sees the server's proof fail; the server counts the
+        # refusal when it reads the client's ERROR frame, which may come after this status call
+        wait_for(lambda: p.status()["counters"]["auth_failures"] >= 1, "the node's count of refused handshakes")
         assert p.status()["counters"]["auth_failures"] == 1
 
 
