@@ -15,7 +15,8 @@ torch ``copy_`` per page costs ~10 us of dispatch, which dominates small pages (
 4 KiB pages: 13 us/page with a copy_ per page, 0.5 us/page native). A single CPU run of at
 most NATIVE_COPY_BYTES goes native too: torch's copy_ of a 64 KiB page splits it over its
 OpenMP threads, and on a loaded machine waiting for a descheduled helper thread cost 1-15 ms
-per copy (one-block reads of 64 KiB pages under load 3-4 on 2 cores; ~10 us unloaded).
+per copy (one-block reads of 64 KiB pages under load 3-4 on 2 cores; ~10 us unloaded), and a
+disk read's promotion of a 4 MiB slice competes with the read-ahead thread (docs/buffer_pool.md).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from kvdb.errors import CapacityError
 
 
 #: a CPU-to-CPU copy of at most this many bytes in one run is one native memcpy, not a torch copy_
-NATIVE_COPY_BYTES = 1 << 20
+NATIVE_COPY_BYTES = 4 << 20
 #: frame_runs splits at most this many pairs in Python (numpy's set-up costs more below it)
 SMALL_RUNS = 16
 

@@ -162,8 +162,7 @@ class IndexQueue:
 
     def lookup(self, keys: list[bytes]) -> list[iv.BlockEntry | None]:
         """Entries of ``keys``: from ``pending``, else from RocksDB."""
-        decode = iv.decode_entry
-        return [None if v is None else decode(v) for v in self.values(keys)]
+        return iv.decode_entries(self.values(keys))
 
     def values(self, keys: list[bytes]) -> list[bytes | None]:
         """Encoded entries of ``keys`` (None: not live): from ``pending``, else one multi-get."""

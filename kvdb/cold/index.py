@@ -37,6 +37,7 @@ from kvdb.format.index_value import (
     BlockEntry,
     Checkpoint,
     decode_checkpoint,
+    decode_entries,
     decode_entry,
 )
 
@@ -128,7 +129,7 @@ class Index:
         return vals
 
     def get_entries(self, keys: list[bytes]) -> list[BlockEntry | None]:
-        return [None if v is None else decode_entry(v) for v in self.get_values(keys)]
+        return decode_entries(self.get_values(keys))
 
     def get(self, key: bytes) -> bytes | None:
         if self._overlay and key in self._overlay:

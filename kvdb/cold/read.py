@@ -51,6 +51,7 @@ from kvdb.fs import IOV_MAX
 from kvdb.types import KEY_BYTES
 
 READ_SLICE_BYTES = 4 << 20  # raw runs are read and checked in slices of this many bytes
+TAIL_SLICE_BYTES = 256 << 10  # ... the last one cut down in halves to about this many
 
 
 def check_raw(key: bytes, e: iv.BlockEntry, head: bytearray, row: np.ndarray) -> bool:
@@ -82,6 +83,41 @@ def check_slice(keys: list[bytes], entries: list, heads: np.ndarray, pages: list
         if out[j]:
             out[j] = crc(pages[j], crc(heads[j, 8:])) == crcs[j]
     return out
+
+
+def plan_slices(cand: list, want: int, per: int) -> list[tuple[int, int, list[int]]]:
+    """The reads of ``read_runs``: ``cand`` (segment, offset, key index) of raw records of ``want``
+    bytes, in any order. Records back to back in a segment form a run (a lone record is left to
+    the per-entry path); runs are cut into slices of at most ``per`` records, in file order,
+    except the last ``per`` records of the last run: they are cut in halves down to
+    TAIL_SLICE_BYTES (63 records of 64 KiB pages become 31, 16, 8, 4, 2, 2), so that what is
+    checked and promoted after the last read completes is a small piece, not a whole slice.
+    Returns (segment, offset, [key index]) per slice."""
+    cand.sort()
+    runs = []  # (segment, offset, [key index]) of each run of two or more records
+    j = 0
+    while j < len(cand):
+        seg, off, _ = cand[j]
+        run = [cand[j][2]]
+        j += 1
+        while j < len(cand) and cand[j][0] == seg and cand[j][1] == off + len(run) * want:
+            run.append(cand[j][2])
+            j += 1
+        if len(run) > 1:
+            runs.append((seg, off, run))
+    slices = []
+    for r, (seg, off, run) in enumerate(runs):
+        body = len(run) - min(len(run), per) if r == len(runs) - 1 else len(run)
+        slices.extend((seg, off + a * want, run[a : min(a + per, body)]) for a in range(0, body, per))
+        part, off, tail = run[body:], off + body * want, max(1, TAIL_SLICE_BYTES // want)
+        while len(part) > tail:
+            h = len(part) // 2
+            slices.append((seg, off, part[:h]))
+            off += h * want
+            part = part[h:]
+        if part:
+            slices.append((seg, off, part))
+    return slices
 
 
 class BlockReader:
@@ -188,21 +224,9 @@ class BlockReader:
             return
         rows = range(len(keys)) if rows is None else rows
         want = PUT_PAYLOAD_OFFSET + self.page_bytes
-        cand = sorted((e.segment_no, e.offset, i) for i, e in enumerate(entries)
-                      if e is not None and e.codec == Codec.RAW and not (e.flags & FLAG_SEALED)
-                      and e.record_bytes == want)
-        per = max(1, min(IOV_MAX // 2, READ_SLICE_BYTES // want))
-        slices = []  # (segment, offset, [key index]) of whole slices of runs, in file order
-        j = 0
-        while j < len(cand):
-            seg, off, _ = cand[j]
-            run = [cand[j][2]]
-            j += 1
-            while j < len(cand) and cand[j][0] == seg and cand[j][1] == off + len(run) * want:
-                run.append(cand[j][2])
-                j += 1
-            if len(run) > 1:  # a lone record: the per-entry path handles it (and its retry)
-                slices.extend((seg, off + a * want, run[a : a + per]) for a in range(0, len(run), per))
+        cand = [(e.segment_no, e.offset, i) for i, e in enumerate(entries)
+                if e is not None and e.codec == Codec.RAW and not (e.flags & FLAG_SEALED) and e.record_bytes == want]
+        slices = plan_slices(cand, want, max(1, min(IOV_MAX // 2, READ_SLICE_BYTES // want)))
         if not slices:
             return
         pool = self._read_pool() if len(slices) > 1 else None
@@ -301,4 +325,4 @@ class BlockReader:
             self._unpin_fd(segment_no, fd)
 
 
-__all__ = ["BlockReader", "READ_SLICE_BYTES", "check_raw", "check_slice"]
+__all__ = ["BlockReader", "READ_SLICE_BYTES", "TAIL_SLICE_BYTES", "check_raw", "check_slice", "plan_slices"]

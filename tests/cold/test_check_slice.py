@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvdb.cold.read import check_slice
+from kvdb.cold.read import TAIL_SLICE_BYTES, check_slice, plan_slices
 from kvdb.format import index_value as iv
 from kvdb.format.record import PUT_PAYLOAD_OFFSET, RECORD_HEADER_BYTES, Codec, put_rows, seal_rows
 
@@ -71,3 +71,23 @@ def test_it_agrees_with_check_raw_record_by_record():
     want = [check_raw(k, e, bytearray(heads[j].tobytes()), pages[j]) for j, (k, e) in enumerate(zip(keys, entries))]
     assert want == [True, False, True, False, False, True]
     assert check_slice(keys, entries, heads, list(pages), len(keys)) == want
+
+
+def test_plan_slices_cuts_runs_in_file_order_and_the_last_slice_in_halves():
+    # Records of 1 KiB: a run of 200 in segment 1 (given out of order), a lone record in segment 2
+    # (left to the per-entry path), a run of 3 in segment 3. Slices hold at most 64 records; the
+    # last run's last 64 records are cut in halves down to TAIL_SLICE_BYTES: segment 3's 3 records
+    # are under it (no cut). With records of a quarter of TAIL_SLICE_BYTES and one run of 104,
+    # the run's first 40 are a slice and its last 64 become 32, 16, 8, 4, 4.
+    want = 1024
+    cand = [(1, 32 + i * want, 1000 + i) for i in range(200)][::-1] + [(2, 32, 7)] + [(3, 32 + i * want, i) for i in range(3)]
+    got = plan_slices(cand, want, 64)
+    assert [(s, o, len(p)) for s, o, p in got] == \
+        [(1, 32, 64), (1, 32 + 64 * want, 64), (1, 32 + 128 * want, 64), (1, 32 + 192 * want, 8), (3, 32, 3)]
+    assert [i for _, _, p in got for i in p] == list(range(1000, 1200)) + [0, 1, 2]
+    want = TAIL_SLICE_BYTES // 4
+    got = plan_slices([(1, i * want, i) for i in range(64 + 40)], want, 64)
+    assert [len(p) for _, _, p in got] == [40, 32, 16, 8, 4, 4]
+    assert [o for _, o, _ in got] == [0, 40 * want, 72 * want, 88 * want, 96 * want, 100 * want]
+    assert [i for _, _, p in got for i in p] == list(range(104))
+    assert plan_slices([(1, 0, 0), (1, 5 * want, 1)], want, 64) == []  # no two back to back: no run

@@ -161,6 +161,21 @@ def test_bad_bodies_are_corruption():
         fr.decode_put(b"short")
     with pytest.raises(CorruptionError):
         iv.decode_entry(b"\x00" * 47)
+    good = (GOLDEN / "index_entry.bin").read_bytes()
+    with pytest.raises(CorruptionError):  # a batch with one short value (the joined length is right)
+        iv.decode_entries([good, good[:-1], good + b"\x00"])
+
+
+def test_a_batch_of_entries_decodes_as_each_one_alone():
+    # decode_entries (one unpack over the joined values) against decode_entry per value, with
+    # absent keys (None) anywhere, every field at its extremes.
+    es = [iv.BlockEntry(2**32 - 1, 2**64 - 1, 57, 2**32 - 1, 2**64 - 1, -(2**63), 7, 255, 255, 2**32 - 1),
+          iv.BlockEntry(1, 32, 57, 0x11223344, 5, 3, 7, 0, 1, 4)]
+    vals = [None, iv.encode_entry(es[0]), None, iv.encode_entry(es[1]), None]
+    got = iv.decode_entries(vals)
+    assert got == [None if v is None else iv.decode_entry(v) for v in vals] == [None, es[0], None, es[1], None]
+    assert all(type(e) is iv.BlockEntry for e in got if e is not None)
+    assert iv.decode_entries(vals[1:2] + vals[3:4]) == es and iv.decode_entries([None]) == [None]
     with pytest.raises(CorruptionError):
         iv.decode_stats(b"not json")
 
