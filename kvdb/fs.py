@@ -24,6 +24,8 @@ import errno as _errno
 import os
 import threading
 
+from kvdb import native
+
 IOV_MAX = 1024
 
 
@@ -64,6 +66,17 @@ class OsFs:
             if done != want:
                 self._finish_short(fd, chunk, done)
             i += IOV_MAX
+
+    def writev_rows(self, fd: int, path: str, heads, pays, nbytes: int | None = None) -> None:
+        """Append records whose heads are the rows of ``heads`` and payloads the rows of ``pays``
+        (C-contiguous uint8 arrays, one row per record): the bytes of ``writev`` of
+        ``native.row_bufs(heads, pays)``, with the iovecs built natively (no Python object per
+        record). A layer that overrides ``writev`` (faults, read-only) gets exactly that
+        ``writev``, so every write still passes through it."""
+        if type(self).writev is not OsFs.writev or not native.HAVE_NATIVE:
+            self.writev(fd, path, native.row_bufs(heads, pays), nbytes)
+            return
+        native.writev_rows(fd, heads, pays)
 
     @staticmethod
     def _finish_short(fd: int, chunk: list, done: int) -> None:

@@ -210,6 +210,28 @@ def py_copy_pages(dst: np.ndarray, dst_frames, src: np.ndarray, src_frames, page
         d2[d] = s2[s]
 
 
+def row_bufs(heads: np.ndarray, pays: np.ndarray) -> list:
+    """Head row i then payload row i, for every i, as buffers for a ``writev`` (the twin of
+    ``writev_rows``: kvdb/fs.py writes them with ``OsFs.writev``)."""
+    hb, pb = heads.shape[1], pays.shape[1]
+    h, p = memoryview(heads).cast("B"), memoryview(pays).cast("B")
+    return [b for x in range(heads.shape[0]) for b in (h[x * hb : (x + 1) * hb], p[x * pb : (x + 1) * pb])]
+
+
+def writev_rows(fd: int, heads: np.ndarray, pays: np.ndarray) -> None:
+    """Append ``row_bufs(heads, pays)`` to ``fd`` in one native call (the iovecs built in C,
+    the GIL released, short writes resumed); OSError on failure. ``heads`` [n, hb] and ``pays``
+    [n, pb]: C-contiguous uint8 arrays of the same n."""
+    n = heads.shape[0]
+    if heads.ndim != 2 or pays.ndim != 2 or pays.shape[0] != n or heads.dtype != np.uint8 or pays.dtype != np.uint8 \
+            or not heads.flags.c_contiguous or not pays.flags.c_contiguous:
+        raise InvalidInput("writev_rows takes two C-contiguous uint8 arrays with one row per record")
+    err = _lib.kvdb_writev_rows(fd, _ffi.cast("const uint8_t *", _ffi.from_buffer(heads)), heads.shape[1],
+                                _ffi.cast("const uint8_t *", _ffi.from_buffer(pays)), pays.shape[1], n)
+    if err:
+        raise OSError(err, os.strerror(err))
+
+
 def copy_pages(dst: np.ndarray, dst_frames, src: np.ndarray, src_frames, page_bytes: int) -> None:
     """Whole-page memcpy between two uint8 buffers in one native call (no Python loop)."""
     if _lib is None:

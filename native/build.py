@@ -13,6 +13,7 @@ void kvdb_sha256_chain(const uint8_t *seed, const uint32_t *tokens, size_t n_blo
                        size_t block_tokens, uint8_t *keys_out);
 void kvdb_copy_pages(uint8_t *dst, const int64_t *dst_frames, const uint8_t *src,
                      const int64_t *src_frames, size_t page_bytes, size_t n);
+int kvdb_writev_rows(int fd, const uint8_t *heads, size_t hb, const uint8_t *pays, size_t pb, size_t n);
 
 typedef struct kvdb_committer kvdb_committer;
 #define KVDB_COMMIT_CLOSED ...

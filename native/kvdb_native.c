@@ -94,6 +94,53 @@ void kvdb_crc32c_rows(const uint8_t *rows, size_t width, size_t start, size_t nb
     }
 }
 
+/* ---------- the log's batched append ---------- */
+
+#include <errno.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+/* Append n records to fd, record i being heads[i*hb .. +hb) then pays[i*pb .. +pb): one writev
+ * per KVDB_ROWS_PER_WRITEV records (two iovecs each, within IOV_MAX), a short write resumed
+ * where it stopped, EINTR retried. Returns 0, or the errno of the failed call (nothing after
+ * it is written). The iovecs are built here: no Python object per record (kvdb/fs.py
+ * OsFs.writev_rows; its twin is OsFs.writev over kvdb/native.py row_bufs). */
+#define KVDB_ROWS_PER_WRITEV 512
+int kvdb_writev_rows(int fd, const uint8_t *heads, size_t hb, const uint8_t *pays, size_t pb, size_t n) {
+    struct iovec iov[2 * KVDB_ROWS_PER_WRITEV];
+    size_t i = 0;
+    while (i < n) {
+        size_t k = n - i < KVDB_ROWS_PER_WRITEV ? n - i : KVDB_ROWS_PER_WRITEV;
+        for (size_t j = 0; j < k; j++) {
+            iov[2 * j].iov_base = (void *)(heads + (i + j) * hb);
+            iov[2 * j].iov_len = hb;
+            iov[2 * j + 1].iov_base = (void *)(pays + (i + j) * pb);
+            iov[2 * j + 1].iov_len = pb;
+        }
+        struct iovec *v = iov;
+        int cnt = (int)(2 * k);
+        while (cnt > 0) {
+            ssize_t w = writev(fd, v, cnt);
+            if (w < 0) {
+                if (errno == EINTR) continue;
+                return errno;
+            }
+            if (w == 0) return EIO;
+            while (cnt > 0 && (size_t)w >= v->iov_len) {
+                w -= (ssize_t)v->iov_len;
+                v++;
+                cnt--;
+            }
+            if (cnt > 0 && w > 0) {
+                v->iov_base = (uint8_t *)v->iov_base + w;
+                v->iov_len -= (size_t)w;
+            }
+        }
+        i += k;
+    }
+    return 0;
+}
+
 /* ---------- prefix hash chains ---------- */
 
 /* keys_out: n_blocks * 16 bytes. seed: 16 bytes (the namespace digest, or the previous key).

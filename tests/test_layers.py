@@ -20,16 +20,17 @@ ROOT = Path(__file__).resolve().parent.parent / "kvdb"
 # import units on lower floors only (and itself). Keep in step with docs/architecture.md.
 FLOORS: list[set[str]] = [
     {"errors", "types", "threads", "_native"},         # 0: leaves
-    {"native", "fs", "sizes"},                         # 1: the C core's bindings, the file layer, sizes
-    {"format"},                                        # 2: bytes on disk and on the wire
-    {"keys", "wal", "buffer_pool"},                    # 3: key spaces, the log, page frames
-    {"cold", "planner", "metrics", "prompts"},         # 4: the cold tier, policies, prompt rendering
-    {"db", "sim"},                                     # 5: the Db (pool + cold + plans); the simulator
-    {"replication"},                                   # 6: attaches to a Db from above
-    {"__init__"},                                      # 7: kvdb.open, the public API
-    {"integrations"},                                  # 8: inside inference engines
-    {"demo", "bench"},                                 # 9: examples and benchmarks (run engines)
-    {"cli"},                                           # 10: the command line
+    {"native", "sizes"},                               # 1: the C core's bindings, sizes
+    {"fs"},                                            # 2: the file layer (native batched appends)
+    {"format"},                                        # 3: bytes on disk and on the wire
+    {"keys", "wal", "buffer_pool"},                    # 4: key spaces, the log, page frames
+    {"cold", "planner", "metrics", "prompts"},         # 5: the cold tier, policies, prompt rendering
+    {"db", "sim"},                                     # 6: the Db (pool + cold + plans); the simulator
+    {"replication"},                                   # 7: attaches to a Db from above
+    {"__init__"},                                      # 8: kvdb.open, the public API
+    {"integrations"},                                  # 9: inside inference engines
+    {"demo", "bench"},                                 # 10: examples and benchmarks (run engines)
+    {"cli"},                                           # 11: the command line
 ]
 FLOOR = {u: i for i, units in enumerate(FLOORS) for u in units}
 MAX_LINES = 520  # "about 500"

@@ -201,7 +201,7 @@ class LogWriter:
         runs (segment_no, offset of the first record, its lsn, records) and the crcs.
 
         The batch goes out in writes of up to ``ROWS_WRITE_BYTES`` (``rows`` slices, or head
-        and payload per record as iovecs); while one is written (by the writer's I/O thread,
+        and payload per record as iovecs built natively: kvdb/fs.py ``writev_rows``); while one is written (by the writer's I/O thread,
         GIL released), the next one's lsns and crcs are filled in (``seal_rows``): the checksums
         overlap the kernel's copy instead of adding to it. Writes stay in order, one at a time;
         a rotation waits for the write before it (W3)."""
@@ -212,9 +212,6 @@ class LogWriter:
         runs: list[list[int]] = []
         crcs = np.empty(n, dtype=np.uint32)
         step = max(1, min(IOV_MAX // 2, ROWS_WRITE_BYTES // rbytes))
-        if payloads is not None:  # memoryview slices: cheaper than numpy row views
-            hb, pb = rows.shape[1], payloads.shape[1]
-            heads, pays = memoryview(rows).cast("B"), memoryview(payloads).cast("B")
         if n > step and self._io is None:
             self._io = ThreadPoolExecutor(1, thread_name_prefix="kvdb-log-write")
         writing = None  # the write in flight
@@ -234,16 +231,16 @@ class LogWriter:
                     j = i + count
                     crcs[i:j] = seal_rows(rows[i:j], first + i, None if payloads is None else payloads[i:j])
                     if payloads is None:
-                        bufs = [rows[i:j].reshape(-1)]
-                    else:
-                        bufs = [b for x in range(i, j) for b in (heads[x * hb : (x + 1) * hb], pays[x * pb : (x + 1) * pb])]
+                        write, args = self.fs.writev, (seg.fd, seg.path, [rows[i:j].reshape(-1)], count * rbytes)
+                    else:  # head and payload per record, the iovecs built natively (kvdb/fs.py)
+                        write, args = self.fs.writev_rows, (seg.fd, seg.path, rows[i:j], payloads[i:j], count * rbytes)
                     if writing is not None:
                         writing, w = None, writing
                         w.result()
                     if n > step:
-                        writing = self._io.submit(self.fs.writev, seg.fd, seg.path, bufs, count * rbytes)
+                        writing = self._io.submit(write, *args)
                     else:
-                        self.fs.writev(seg.fd, seg.path, bufs, count * rbytes)
+                        write(*args)
                     if runs and runs[-1][0] == seg.segment_no:
                         runs[-1][3] += count
                     else:
