@@ -1,4 +1,4 @@
-"""The file layer (an Env in LevelDB's sense), the lowest floor of kvdb: every byte the cold tier
+"""The file layer (an Env in LevelDB's sense), the floor under the byte formats: every byte the cold tier
 writes to a log segment goes through an ``OsFs``, and the small state files (the manifest, the key
 secret, replication's slots and positions) through ``write_file_atomic``.
 

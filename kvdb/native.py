@@ -222,10 +222,10 @@ def writev_rows(fd: int, heads: np.ndarray, pays: np.ndarray) -> None:
     """Append ``row_bufs(heads, pays)`` to ``fd`` in one native call (the iovecs built in C,
     the GIL released, short writes resumed); OSError on failure. ``heads`` [n, hb] and ``pays``
     [n, pb]: C-contiguous uint8 arrays of the same n."""
-    n = heads.shape[0]
-    if heads.ndim != 2 or pays.ndim != 2 or pays.shape[0] != n or heads.dtype != np.uint8 or pays.dtype != np.uint8 \
-            or not heads.flags.c_contiguous or not pays.flags.c_contiguous:
+    if heads.ndim != 2 or pays.ndim != 2 or pays.shape[0] != heads.shape[0] or heads.dtype != np.uint8 \
+            or pays.dtype != np.uint8 or not heads.flags.c_contiguous or not pays.flags.c_contiguous:
         raise InvalidInput("writev_rows takes two C-contiguous uint8 arrays with one row per record")
+    n = heads.shape[0]
     err = _lib.kvdb_writev_rows(fd, _ffi.cast("const uint8_t *", _ffi.from_buffer(heads)), heads.shape[1],
                                 _ffi.cast("const uint8_t *", _ffi.from_buffer(pays)), pays.shape[1], n)
     if err:

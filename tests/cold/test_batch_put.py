@@ -6,6 +6,7 @@ reopen; pages inline behind their heads and pages written from the caller's rows
 from __future__ import annotations
 
 import errno
+import os
 
 import numpy as np
 import pytest
@@ -118,3 +119,29 @@ def test_crash_and_io_errors_in_pipelined_writes(tmp_path, monkeypatch, inline):
     (tmp_path / "eio").mkdir()
     test_crash.test_crash_at_every_io_point(tmp_path / "crash")
     test_faults.test_io_error_at_every_point_is_typed_sticky_and_loses_nothing(tmp_path / "eio", errno.EIO)
+
+
+def test_append_rows_refuses_strided_payloads_before_writing(tmp_path):
+    # The writes read rows and payloads as flat memory (kvdb/fs.py writev_rows): a strided
+    # payload array is refused before the first write (seal_rows checks it, chunk 1), no byte
+    # written, no lsn taken, the writer still usable -- also when the batch takes several
+    # writes, the later ones on the I/O thread.
+    from kvdb.errors import InvalidInput
+    from kvdb.format.record import put_rows
+
+    keys = [key(i) for i in range(600)]  # more than one write (512 records each)
+    s = ColdStore.open(tmp_path, TINY, flush_interval_s=None, store_id=STORE_ID)
+    try:
+        w = s.writer
+        pages = np.zeros((600, 2 * TINY.page_bytes), dtype=np.uint8)[:, ::2]
+        rows = put_rows(b"".join(keys), np.full(600, -1, dtype=np.int64), 0, Codec.RAW, 0, TINY.page_bytes, None,
+                        TINY.page_bytes)
+        logged = lambda: sum(p.stat().st_size for p in (tmp_path / "wal").iterdir())  # noqa: E731
+        before, lsn = logged(), w.next_lsn
+        with w.lock, pytest.raises(InvalidInput):
+            w.append_rows(rows, pages)
+        assert (logged(), w.next_lsn) == (before, lsn)
+        s.put(keys, pages_for(keys), None, "sync")
+        assert s.contains(keys) == [True] * 600
+    finally:
+        s.close()
