@@ -4,8 +4,8 @@ plus known-answer vectors that pin the meaning of the twins themselves."""
 from __future__ import annotations
 
 import errno
-import os
 import hashlib
+import os
 import struct
 import threading
 import time

@@ -164,6 +164,8 @@ def test_bad_bodies_are_corruption():
     good = (GOLDEN / "index_entry.bin").read_bytes()
     with pytest.raises(CorruptionError):  # a batch with one short value (the joined length is right)
         iv.decode_entries([good, good[:-1], good + b"\x00"])
+    with pytest.raises(CorruptionError):
+        iv.decode_stats(b"not json")
 
 
 def test_a_batch_of_entries_decodes_as_each_one_alone():
@@ -176,8 +178,6 @@ def test_a_batch_of_entries_decodes_as_each_one_alone():
     assert got == [None if v is None else iv.decode_entry(v) for v in vals] == [None, es[0], None, es[1], None]
     assert all(type(e) is iv.BlockEntry for e in got if e is not None)
     assert iv.decode_entries(vals[1:2] + vals[3:4]) == es and iv.decode_entries([None]) == [None]
-    with pytest.raises(CorruptionError):
-        iv.decode_stats(b"not json")
 
 
 record_bodies = st.lists(
