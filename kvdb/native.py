@@ -262,11 +262,35 @@ def _small_frames(frames, num_pages: int, name: str):
     return arr
 
 
+def _copy_one_page(dst, dst_frames, src, src_frames, page_bytes: int) -> bool:
+    """``copy_tensor_pages`` of exactly one page between two CPU tensors, by address: no frame
+    arrays to build (a one-block read's promotion). False: not such a copy, or a frame outside
+    its tensor (the general path then copies or raises as usual)."""
+    if dst_frames is None:
+        if src_frames is None or len(src_frames) != 1:
+            return False
+        d, s = 0, src_frames[0]
+    elif len(dst_frames) != 1 or (src_frames is not None and len(src_frames) != 1):
+        return False
+    else:
+        d, s = dst_frames[0], 0 if src_frames is None else src_frames[0]
+    if type(d) is not int or type(s) is not int or not dst.is_cpu or not src.is_cpu or dst.dim() != 2 \
+            or src.dim() != 2 or dst.shape[1] != page_bytes or src.shape[1] != page_bytes \
+            or not (0 <= d < dst.shape[0] and 0 <= s < src.shape[0]) or not dst.is_contiguous() \
+            or not src.is_contiguous():
+        return False
+    _lib.kvdb_copy_pages(_ffi.cast("uint8_t *", dst.data_ptr() + d * page_bytes), _ffi.NULL,
+                         _ffi.cast("const uint8_t *", src.data_ptr() + s * page_bytes), _ffi.NULL, page_bytes, 1)
+    return True
+
+
 def copy_tensor_pages(dst, dst_frames, src, src_frames, page_bytes: int) -> None:
     """``copy_pages`` between two CPU uint8 tensors [pages, page_bytes] (contiguous): the same
     copy, the same bounds checks, without the numpy round trip. Short int lists of frames (one
     list may be None: 0..n-1) go straight to the native copy: a one-page copy costs ~3 us, not
     ~12 (the arena's hot path on small reads)."""
+    if _lib is not None and _copy_one_page(dst, dst_frames, src, src_frames, page_bytes):
+        return
     fast = _lib is not None and (dst_frames is not None or src_frames is not None) \
         and dst.dim() == 2 and src.dim() == 2 and dst.shape[1] == page_bytes and src.shape[1] == page_bytes \
         and dst.is_contiguous() and src.is_contiguous()

@@ -258,6 +258,28 @@ def test_copy_tensor_pages_matches_python(case):
     assert np.array_equal(dst_tensor, dst_python)
 
 
+def test_a_one_page_tensor_copy_lands_where_asked():
+    # one page (a one-block read's promotion) is copied by address, not through frame arrays:
+    # each way round (scatter, gather, both listed), exactly the page asked for moves; frames
+    # that are not ints, and frames outside a tensor, take the general path (copy or raise)
+    torch = pytest.importorskip("torch")
+    page_bytes = 32
+    src = torch.arange(4 * page_bytes, dtype=torch.uint8).view(4, page_bytes)
+    for dst_frames, src_frames, d, s in [([2], None, 2, 0), (None, [3], 0, 3), ([1], [2], 1, 2),
+                                         ([np.int64(0)], [1], 0, 1)]:
+        dst = torch.zeros((3, page_bytes), dtype=torch.uint8)
+        native.copy_tensor_pages(dst, dst_frames, src, src_frames, page_bytes)
+        want = torch.zeros_like(dst)
+        want[d] = src[s]
+        assert torch.equal(dst, want)
+    dst = torch.zeros((3, page_bytes), dtype=torch.uint8)
+    with pytest.raises(InvalidInput, match="dst frames outside the 3 pages"):
+        native.copy_tensor_pages(dst, [3], src, None, page_bytes)
+    with pytest.raises(InvalidInput, match="src frames outside the 4 pages"):
+        native.copy_tensor_pages(dst, [0], src, [-1], page_bytes)
+    assert not dst.any()
+
+
 @pytest.mark.parametrize("fn", [native.copy_pages, native.py_copy_pages, _tensor_copy],
                          ids=["native", "python", "tensor"])
 def test_copy_pages_rejects_out_of_bounds_frames(fn):

@@ -93,7 +93,7 @@ class Arena:
     def _copy(self, dst: torch.Tensor, dst_idx, src: torch.Tensor, src_idx) -> None:
         """dst[dst_idx[i]] := src[src_idx[i]] for whole pages; one of the index lists is a frame
         list, the other rows of a batch (None = 0..n-1)."""
-        cpu = dst.device.type == "cpu" and src.device.type == "cpu"
+        cpu = dst.is_cpu and src.is_cpu
         n = len(dst_idx if dst_idx is not None else src_idx)
         if cpu and n * self.page_bytes <= NATIVE_COPY_BYTES:
             native.copy_tensor_pages(dst, dst_idx, src, src_idx, self.page_bytes)

@@ -121,7 +121,7 @@ class Index:
         """The encoded entries of block ``keys`` (None: not in the index), in one multi-get."""
         ks = list(map(BLOCK_PREFIX.__add__, keys))
         try:
-            vals = self._db.get(ks)
+            vals = [self._db.get(ks[0])] if len(ks) == 1 else self._db.get(ks)  # one key: no multi-get
         except Exception as e:
             raise map_error(e, "reading the index") from None
         if self._overlay:

@@ -211,6 +211,30 @@ class BlockReader:
             on_ready(late)
         return results
 
+    def read_found(self, keys: list[bytes], entries: list, out: np.ndarray, rows, on_ready, lookup):
+        """``read_into``, settled: a block moved by compaction between lookup and read is looked
+        up again (``lookup``) and read once more; a damaged one's row is zeroed (C3). Returns
+        (found per key, hits, misses, corruptions)."""
+        rows = range(len(keys)) if rows is None else rows
+        results = self.read_into(keys, entries, out, rows, on_ready)
+        found = [False] * len(keys)
+        hits = misses = bad = 0
+        for i, ok in enumerate(results):
+            if ok is None:  # moved by compaction between lookup and read: look again once
+                (e2,) = lookup([keys[i]])
+                ok = "absent" if e2 is None else bool(self.read_entry(keys[i], e2, out[rows[i]]))
+                if ok is True and on_ready is not None:
+                    on_ready([i])
+            if ok is True:
+                found[i] = True
+                hits += 1
+            else:
+                misses += 1
+                if ok is False:
+                    out[rows[i]] = 0
+                    bad += 1
+        return found, hits, misses, bad
+
     def read_runs(self, keys, entries, out: np.ndarray, results: list, rows=None, on_ready=None) -> None:
         """Raw, unsealed pages whose records lie back to back in a segment are read with one
         preadv per run slice, straight into their rows ``out[rows[i]]`` (the same I/O a plain

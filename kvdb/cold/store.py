@@ -437,23 +437,15 @@ class ColdStore:
                 or out.ndim != 2 or out.shape[1] != self.page_bytes or out.shape[0] < top or not out.flags.c_contiguous:
             raise InvalidInput(f"rows must name one row (an int) of out per key, out a C-contiguous uint8 numpy "
                                f"array [>= {top}, {self.page_bytes}]; got {len(rows)} rows for {len(keys)} keys")
-        results = self.reader.read_into(keys, entries or self.lookup(keys), out, rows, on_ready)
-        found = [False] * len(keys)
-        hits = misses = bad = 0
-        for i, ok in enumerate(results):
-            if ok is None:  # moved by compaction between lookup and read: look again once
-                (e2,) = self.lookup([keys[i]])
-                ok = "absent" if e2 is None else bool(self.reader.read_entry(keys[i], e2, out[rows[i]]))
-                if ok is True and on_ready is not None:
-                    on_ready([i])
-            if ok is True:
-                found[i] = True
-                hits += 1
-            else:
-                misses += 1
-                if ok is False:
-                    out[rows[i]] = 0
-                    bad += 1
+        return self.read_rows(keys, out, rows, entries, on_ready)
+
+    def read_rows(self, keys: list[bytes], out: np.ndarray, rows, entries=None, on_ready=None) -> list[bool]:
+        """``get_into`` for a caller that has checked its arguments already (the Db: its keys
+        normalized, ``out`` its own C-contiguous uint8 view, ``rows`` ints inside it): the same
+        read, checks (C3) and counts, without checking them again (a one-block read's path)."""
+        self.check()
+        found, hits, misses, bad = self.reader.read_found(keys, entries or self.lookup(keys), out, rows, on_ready,
+                                                          self.lookup)
         self.count(hits=hits, misses=misses, corruptions=bad)
         return found
 

@@ -367,10 +367,9 @@ class Db(WriteMixin, ReadMixin, MovesMixin, LandingMixin, PlansMixin, AttachedMi
                                "(blocks, layers, k/v, block_tokens, kv_heads, head_dim)")
         if not blocks.is_contiguous():
             raise InvalidInput(f"{what} is not contiguous; pass .contiguous()")
-        dev = blocks.device.type
-        if dev != "cpu" and dev not in (arena_devs := {"cpu"} | self.pool.devices()):
+        if not blocks.is_cpu and blocks.device.type not in (arena_devs := {"cpu"} | self.pool.devices()):
             raise InvalidInput(f"{what} is on {blocks.device}; this Db's arenas are on {sorted(arena_devs)}")
-        return blocks.view(torch.uint8).reshape(shape[0], lay.page_bytes)
+        return blocks.view(torch.uint8).view(shape[0], lay.page_bytes)
 
     # ------------------------------------------------------------------ stats
 

@@ -138,7 +138,7 @@ class ReadMixin:
                 self._promote_from_disk([keys[i] for i in idx], src, [src_rows[i] for i in idx], notices)
 
         try:
-            found = self._cold_call(self._cold.get_into, keys, src.detach().numpy(), src_rows, entries, promote)
+            found = self._cold_call(self._cold.read_rows, keys, src.detach().numpy(), src_rows, entries, promote)
         finally:
             self.pool.record_inserted(notices)
         self._disk_reads += sum(found)
@@ -214,7 +214,8 @@ class ReadMixin:
             if absent_rows:
                 # keys on no tier end a prefix or fail the call before any byte is written; the
                 # disk tier's lookup is made once, for this check and the read
-                entries = self._cold_call(self._cold.lookup, [keys[i] for i in absent_rows]) \
+                absent_keys = keys if len(absent_rows) == n else [keys[i] for i in absent_rows]
+                entries = self._cold_call(self._cold.lookup, absent_keys) \
                     if self._cold is not None else [None] * len(absent_rows)
                 on_disk = [e is not None for e in entries]
                 if not all(on_disk):
@@ -224,6 +225,7 @@ class ReadMixin:
                     stop = on_disk.index(False)
                     n = absent_rows[stop]
                     keys, absent_rows, entries = keys[:n], absent_rows[:stop], entries[:stop]
+                    absent_keys = absent_keys[:stop]
             if absent_rows:
                 # resident pages first: promoting the pages read from disk may evict them
                 if len(absent_rows) == n:
@@ -235,14 +237,15 @@ class ReadMixin:
                 # then straight into out's rows (C3 checked), promoted as they are checked; a
                 # block that fails its check ends a prefix there or raises NotFound, the rows
                 # already read then unspecified (the pages promoted are correct: they passed)
-                found = self._read_disk_into([keys[i] for i in absent_rows], dst, absent_rows, entries)
+                found = self._read_disk_into(absent_keys, dst, absent_rows, entries)
                 if not all(found):
                     if not prefix:
                         missing = [keys[i] for i, f in zip(absent_rows, found) if not f]
                         raise NotFound(f"{len(missing)} of {n} keys are not stored (or failed their checksum): "
                                        f"{describe_keys(missing)}")
                     n = absent_rows[found.index(False)]
-                self.pool.touch([keys[i] for i in rows if i < n], ctx)  # what the caller gets
+                if rows:
+                    self.pool.touch([keys[i] for i in rows if i < n], ctx)  # what the caller gets
             else:
                 self.pool.read_into(keys, dst)
                 self.pool.touch(keys, ctx)

@@ -151,6 +151,8 @@ def decode_entry(buf: bytes) -> BlockEntry:
 def decode_entries(vals: list) -> list:
     """``decode_entry`` of each encoded entry in ``vals`` (None stays None), a batch at once: one
     unpack over the joined bytes when every value is an entry's size."""
+    if len(vals) == 1:  # a one-block read: no batch to set up
+        return [None if vals[0] is None else decode_entry(vals[0])]
     good = [v for v in vals if v is not None]
     if not good:
         return list(vals)

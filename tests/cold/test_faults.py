@@ -33,6 +33,7 @@ def test_io_error_at_every_point_is_typed_sticky_and_loses_nothing(tmp_path, err
             assert store.failed
             for call in (lambda: store.put([key(50)], pages_for([key(50)]), None, "none"),
                          lambda: store.get_into([key(0)], np.zeros((1, TINY.page_bytes), np.uint8)),
+                         lambda: store.read_rows([key(0)], np.zeros((1, TINY.page_bytes), np.uint8), [0]),
                          lambda: store.delete([key(0)]),
                          store.checkpoint, store.flush, store.stats):
                 with pytest.raises(DbFailedError):

@@ -178,6 +178,10 @@ def test_a_batch_of_entries_decodes_as_each_one_alone():
     assert got == [None if v is None else iv.decode_entry(v) for v in vals] == [None, es[0], None, es[1], None]
     assert all(type(e) is iv.BlockEntry for e in got if e is not None)
     assert iv.decode_entries(vals[1:2] + vals[3:4]) == es and iv.decode_entries([None]) == [None]
+    # one value (a one-block read's lookup) takes its own path: the same entry, the same error
+    assert iv.decode_entries(vals[3:4]) == [es[1]] and type(iv.decode_entries(vals[1:2])[0]) is iv.BlockEntry
+    with pytest.raises(CorruptionError):
+        iv.decode_entries([vals[1][:-1]])
 
 
 record_bodies = st.lists(
