@@ -263,7 +263,7 @@ def _small_frames(frames, num_pages: int, name: str):
 
 
 def _copy_one_page(dst, dst_frames, src, src_frames, page_bytes: int) -> bool:
-    """``copy_tensor_pages`` of exactly one page between two CPU tensors, by address: no frame
+    """``copy_tensor_pages`` of exactly one page between two CPU byte tensors, by address: no frame
     arrays to build (a one-block read's promotion). False: not such a copy, or a frame outside
     its tensor (the general path then copies or raises as usual)."""
     if dst_frames is None:
@@ -274,7 +274,8 @@ def _copy_one_page(dst, dst_frames, src, src_frames, page_bytes: int) -> bool:
         return False
     else:
         d, s = dst_frames[0], 0 if src_frames is None else src_frames[0]
-    if type(d) is not int or type(s) is not int or not dst.is_cpu or not src.is_cpu or dst.dim() != 2 \
+    if type(d) is not int or type(s) is not int or not dst.is_cpu or not src.is_cpu or dst.itemsize != 1 \
+            or src.itemsize != 1 or dst.dim() != 2 \
             or src.dim() != 2 or dst.shape[1] != page_bytes or src.shape[1] != page_bytes \
             or not (0 <= d < dst.shape[0] and 0 <= s < src.shape[0]) or not dst.is_contiguous() \
             or not src.is_contiguous():

@@ -12,8 +12,8 @@ through a cache of read fds (one per segment, pinned while in use) and reads the
 Invariant
     C3  a read returns a page only if its record's crc, type, lsn and key match the index
         entry and its payload decodes (and authenticates) to exactly page_bytes; otherwise the
-        read is a miss, the row is zeroed and ``corruptions`` counts it (kvdb/cold/store.py
-        ``get_into``). A read error is a counted miss too (``read_errors``), never a reason
+        read is a miss, the row is zeroed (``read_runs``, ``read_found``) and ``corruptions``
+        counts it (kvdb/cold/store.py ``read_rows``). A read error is a counted miss too (``read_errors``), never a reason
         to fail the store.
 
 A segment deleted by GC after a reader looked a block up (C4, kvdb/cold/checkpoint.py) is either

@@ -440,9 +440,10 @@ class ColdStore:
         return self.read_rows(keys, out, rows, entries, on_ready)
 
     def read_rows(self, keys: list[bytes], out: np.ndarray, rows, entries=None, on_ready=None) -> list[bool]:
-        """``get_into`` for a caller that has checked its arguments already (the Db: its keys
-        normalized, ``out`` its own C-contiguous uint8 view, ``rows`` ints inside it): the same
-        read, checks (C3) and counts, without checking them again (a one-block read's path)."""
+        """``get_into`` without its argument checks, for the Db only (a one-block read's path):
+        the same read, checks (C3) and counts. Nothing here checks ``keys`` (16-byte bytes),
+        ``out`` (a C-contiguous uint8 [m, page_bytes] array) or ``rows`` (one int in 0..m-1 per
+        key): a caller that cannot vouch for them calls ``get_into``."""
         self.check()
         found, hits, misses, bad = self.reader.read_found(keys, entries or self.lookup(keys), out, rows, on_ready,
                                                           self.lookup)
