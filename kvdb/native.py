@@ -263,22 +263,18 @@ def _small_frames(frames, num_pages: int, name: str):
 
 
 def _copy_one_page(dst, dst_frames, src, src_frames, page_bytes: int) -> bool:
-    """``copy_tensor_pages`` of exactly one page between two CPU byte tensors, by address: no frame
-    arrays to build (a one-block read's promotion). False: not such a copy, or a frame outside
-    its tensor (the general path then copies or raises as usual)."""
-    if dst_frames is None:
-        if src_frames is None or len(src_frames) != 1:
+    """One page named by int frames inside both tensors, copied by address: no frame arrays to
+    build (a one-block read's promotion). The tensors are those ``copy_tensor_pages`` checked
+    for its native path. False: not such a copy (the caller takes the frame-array path)."""
+    if dst_frames is None:  # src_frames is a list then
+        if len(src_frames) != 1:
             return False
         d, s = 0, src_frames[0]
     elif len(dst_frames) != 1 or (src_frames is not None and len(src_frames) != 1):
         return False
     else:
         d, s = dst_frames[0], 0 if src_frames is None else src_frames[0]
-    if type(d) is not int or type(s) is not int or not dst.is_cpu or not src.is_cpu or dst.itemsize != 1 \
-            or src.itemsize != 1 or dst.dim() != 2 \
-            or src.dim() != 2 or dst.shape[1] != page_bytes or src.shape[1] != page_bytes \
-            or not (0 <= d < dst.shape[0] and 0 <= s < src.shape[0]) or not dst.is_contiguous() \
-            or not src.is_contiguous():
+    if type(d) is not int or type(s) is not int or not (0 <= d < dst.shape[0] and 0 <= s < src.shape[0]):
         return False
     _lib.kvdb_copy_pages(_ffi.cast("uint8_t *", dst.data_ptr() + d * page_bytes), _ffi.NULL,
                          _ffi.cast("const uint8_t *", src.data_ptr() + s * page_bytes), _ffi.NULL, page_bytes, 1)
@@ -289,12 +285,14 @@ def copy_tensor_pages(dst, dst_frames, src, src_frames, page_bytes: int) -> None
     """``copy_pages`` between two CPU uint8 tensors [pages, page_bytes] (contiguous): the same
     copy, the same bounds checks, without the numpy round trip. Short int lists of frames (one
     list may be None: 0..n-1) go straight to the native copy: a one-page copy costs ~3 us, not
-    ~12 (the arena's hot path on small reads)."""
-    if _lib is not None and _copy_one_page(dst, dst_frames, src, src_frames, page_bytes):
-        return
+    ~12 (the arena's hot path on small reads), and one page is copied by address. Any other
+    tensor (not a CPU byte tensor of that shape) takes the numpy path and its checks."""
     fast = _lib is not None and (dst_frames is not None or src_frames is not None) \
+        and dst.is_cpu and src.is_cpu and dst.itemsize == 1 and src.itemsize == 1 \
         and dst.dim() == 2 and src.dim() == 2 and dst.shape[1] == page_bytes and src.shape[1] == page_bytes \
         and dst.is_contiguous() and src.is_contiguous()
+    if fast and _copy_one_page(dst, dst_frames, src, src_frames, page_bytes):
+        return
     if fast:
         n = len(dst_frames if dst_frames is not None else src_frames)
         df = _ffi.NULL if dst_frames is None else _small_frames(dst_frames, dst.shape[0], "dst")

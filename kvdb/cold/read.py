@@ -13,8 +13,8 @@ Invariant
     C3  a read returns a page only if its record's crc, type, lsn and key match the index
         entry and its payload decodes (and authenticates) to exactly page_bytes; otherwise the
         read is a miss, the row is zeroed (``read_runs``, ``read_found``) and ``corruptions``
-        counts it (kvdb/cold/store.py ``read_rows``). A read error is a counted miss too (``read_errors``), never a reason
-        to fail the store.
+        counts it (kvdb/cold/store.py ``read_rows``). A read error is a counted miss too
+        (``read_errors``), never a reason to fail the store.
 
 A segment deleted by GC after a reader looked a block up (C4, kvdb/cold/checkpoint.py) is either
 still open here (POSIX unlink: the pinned fd keeps reading it; ``retire`` closes it when the
@@ -190,41 +190,29 @@ class BlockReader:
 
     # -- reads
 
-    def read_into(self, keys: list[bytes], entries: list, out: np.ndarray, rows=None, on_ready=None) -> list:
+    def read_found(self, keys: list[bytes], entries: list, out: np.ndarray, rows, on_ready, lookup):
         """Read ``entries`` (looked up for ``keys``) into ``out``'s rows: key i lands in
-        ``out[rows[i]]`` (rows default 0..n-1), read there directly. Per key: True (hit),
-        False (damaged, C3), "absent" (no entry) or None (its segment is gone: look it up
-        again and ``read_entry``). ``on_ready(indices)``, when given, is told each hit once, as
-        soon as it is checked: the first slices' while later ones are still being read."""
+        ``out[rows[i]]`` (rows default 0..n-1), read there directly. Returns (found per key,
+        hits, misses, corruptions). A key without an entry is a miss; a damaged block is a miss
+        and a corruption, its row zeroed (C3); a block whose segment is gone (moved by compaction
+        between lookup and read) is looked up again (``lookup``) and read once more.
+        ``on_ready(indices)``, when given, is told each hit once, as soon as it is checked: the
+        runs' slices while later ones are still being read, then the lone records together."""
         rows = range(len(keys)) if rows is None else rows
         results: list = [None] * len(keys)
         self.read_runs(keys, entries, out, results, rows, on_ready)
-        late = []
-        for i, (key, e) in enumerate(zip(keys, entries)):
-            if e is None:
-                results[i] = "absent"
-            elif results[i] is None:
-                results[i] = self.read_entry(key, e, out[rows[i]])
-                if results[i] is True:
-                    late.append(i)
-        if late and on_ready is not None:
-            on_ready(late)
-        return results
-
-    def read_found(self, keys: list[bytes], entries: list, out: np.ndarray, rows, on_ready, lookup):
-        """``read_into``, settled: a block moved by compaction between lookup and read is looked
-        up again (``lookup``) and read once more; a damaged one's row is zeroed (C3). Returns
-        (found per key, hits, misses, corruptions)."""
-        rows = range(len(keys)) if rows is None else rows
-        results = self.read_into(keys, entries, out, rows, on_ready)
         found = [False] * len(keys)
+        late = []
         hits = misses = bad = 0
-        for i, ok in enumerate(results):
-            if ok is None:  # moved by compaction between lookup and read: look again once
-                (e2,) = lookup([keys[i]])
-                ok = "absent" if e2 is None else bool(self.read_entry(keys[i], e2, out[rows[i]]))
-                if ok is True and on_ready is not None:
-                    on_ready([i])
+        for i, (key, e) in enumerate(zip(keys, entries)):
+            ok = "absent" if e is None else results[i]
+            if ok is None:  # not in a run: read alone
+                ok = self.read_entry(key, e, out[rows[i]])
+                if ok is None:  # its segment is gone: look again once
+                    (e2,) = lookup([key])
+                    ok = "absent" if e2 is None else bool(self.read_entry(key, e2, out[rows[i]]))
+                if ok is True:
+                    late.append(i)
             if ok is True:
                 found[i] = True
                 hits += 1
@@ -233,6 +221,8 @@ class BlockReader:
                 if ok is False:
                     out[rows[i]] = 0
                     bad += 1
+        if late and on_ready is not None:
+            on_ready(late)
         return found, hits, misses, bad
 
     def read_runs(self, keys, entries, out: np.ndarray, results: list, rows=None, on_ready=None) -> None:

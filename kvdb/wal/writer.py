@@ -202,9 +202,9 @@ class LogWriter:
 
         The batch goes out in writes of up to ``ROWS_WRITE_BYTES`` (``rows`` slices, or head
         and payload per record as iovecs built natively: kvdb/fs.py ``writev_rows``); while one
-        is written (by the writer's I/O thread, GIL released), the next one's lsns and crcs are filled in (``seal_rows``): the checksums
-        overlap the kernel's copy instead of adding to it. Writes stay in order, one at a time;
-        a rotation waits for the write before it (W3)."""
+        is written (by the writer's I/O thread, GIL released), the next one's lsns and crcs are
+        filled in (``seal_rows``): the checksums overlap the kernel's copy instead of adding to
+        it. Writes stay in order, one at a time; a rotation waits for the write before it (W3)."""
         self.check()
         n = rows.shape[0]
         rbytes = rows.shape[1] + (0 if payloads is None else payloads.shape[1])
