@@ -164,7 +164,8 @@ def test_a_directory_that_is_not_a_data_directory(path, cmd, p, fillers, tmp_pat
     if path == ("wal", "dump"):  # a dump lists damage (DAMAGE rows), as it does in any log
         assert r.exit_code == 0 and "DAMAGE" in r.output, r.output
         return
-    assert r.exit_code == 3 and "MANIFEST.json is not valid JSON" in " ".join(r.output.split()), r.output  # rich wraps long paths
+    # rich wraps long paths, at a space or inside a word (the tmp path's length decides): compare without whitespace
+    assert r.exit_code == 3 and "MANIFEST.jsonisnotvalidJSON" in "".join(r.output.split()), r.output
     if path != ("verify",):  # verify reports it among its problems
         assert r.output.startswith("kvdb: corruption:"), r.output
 
