@@ -32,12 +32,17 @@ $(BIN)/python:
 	$(Q)$(PY) -m venv $(VENV)
 	$(Q)$(BIN)/pip install $(PIPQ) --upgrade pip $(LOGGED)
 
+# the planner modules Cython compiles (a .pxd beside the .py, setup.py): editing one rebuilds them
+# in place before any target that runs kvdb, so a compiled module never lags behind its source
+COMPILED := $(wildcard kvdb/*/*.pxd kvdb/*/*/*.pxd)
+COMPILED_STAMP := $(VENV)/.kvdb-compiled
+
 $(STAMP): $(BIN)/python pyproject.toml setup.py native/kvdb_native.c native/build.py
 	@# the CPU build of torch first: an unpinned torch requirement pulls a multi-GB CUDA build
 	$(call STEP,installing $(TORCH) (CPU build))
 	$(Q)$(BIN)/pip install $(PIPQ) $(TORCH) $(LOGGED)
 	$(call STEP,installing kvdb and its dev dependencies (compiles native/))
-	$(Q)$(BIN)/pip install $(PIPQ) setuptools wheel cffi $(LOGGED)
+	$(Q)$(BIN)/pip install $(PIPQ) setuptools wheel cffi cython $(LOGGED)
 	$(Q)$(BIN)/pip install $(PIPQ) --no-build-isolation -e '.[dev]' $(LOGGED)
 	@# the Mooncake Transfer Engine needs the verbs libraries even for TCP; optional elsewhere.
 	@# As root with apt-get they are installed (quietly); never through sudo; else one line says so.
@@ -59,27 +64,35 @@ $(VLLM_STAMP): $(STAMP) tools/install_vllm.py
 	$(Q)$(BIN)/python tools/install_vllm.py $(VLLM) $(LOGGED)
 	$(Q)touch $(VLLM_STAMP)
 
-install: $(STAMP)
+$(COMPILED_STAMP): $(STAMP) $(COMPILED) $(COMPILED:.pxd=.py)
+	$(call STEP,compiling the planner (Cython))
+	$(Q)$(BIN)/python setup.py build_ext --inplace $(LOGGED)
+	$(Q)touch $(COMPILED_STAMP)
+
+install: $(COMPILED_STAMP)
 
 install-vllm: $(VLLM_STAMP)
 
 native: $(STAMP)
 	$(Q)$(BIN)/pip install $(PIPQ) --no-build-isolation -e . --no-deps $(LOGGED)
+	$(Q)touch $(COMPILED_STAMP)
 
-demo: $(STAMP)
+demo: $(COMPILED_STAMP)
 	$(Q)$(BIN)/kvdb demo
 
-test: $(VLLM_STAMP)
+test: $(VLLM_STAMP) $(COMPILED_STAMP)
 	KVDB_REQUIRE_VLLM=1 HYPOTHESIS_PROFILE=$${HYPOTHESIS_PROFILE:-ci} $(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 # the fast lane: everything but the tests marked slow (soaks, crash sweeps, multi-process
 # replication) or vllm (a real vLLM); `make test` still runs all of them
-test-fast: $(STAMP)
+test-fast: $(COMPILED_STAMP)
 	HYPOTHESIS_PROFILE=$${HYPOTHESIS_PROFILE:-ci} $(BIN)/python -m pytest -q -m "not slow and not vllm" $(PYTEST_ARGS)
 
-bench: $(STAMP)
+bench: $(COMPILED_STAMP)
 	$(BIN)/kvdb bench datapath
 	$(BIN)/kvdb bench keys
 
 clean:
 	rm -rf $(VENV) build *.egg-info kvdb/_native*.so
+	find kvdb -name '*.cpython-*.so' -delete
+	rm -f $(COMPILED:.pxd=.c)

@@ -14,7 +14,7 @@ import importlib
 import os
 from typing import TYPE_CHECKING, Callable, Sequence
 
-from kvdb import errors
+from kvdb import compiled, errors  # compiled first: KVDB_PURE_PYTHON applies to every module after it
 
 if TYPE_CHECKING:
     import torch

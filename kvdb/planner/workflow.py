@@ -47,6 +47,9 @@ class Workflow:
     order: list[str]  # a topological order (deps first), fixed at validation
     done: set[str] = field(default_factory=set)
     done_s: dict[str, float] = field(default_factory=dict)  # node -> when its call was seen
+    # the last agent_next_start, ((now_s, llm_s, default_tool_s), result), until mark_done: every
+    # planner of a guard (kvdb/planner/policies/adaptive.py) asks the same after each call
+    _starts: tuple | None = field(default=None, repr=False, compare=False)
 
     @classmethod
     def from_spec(cls, session_id: str, nodes: Iterable[Mapping[str, Any]], where: str = "workflow") -> "Workflow":
@@ -93,6 +96,7 @@ class Workflow:
         """W4: the node and all its ancestors are done."""
         if node_id not in self.nodes:
             raise InvalidInput(f"session {self.session_id!r}: node {node_id!r} is not in its workflow")
+        self._starts = None
         if now_s is not None:
             self.done_s[node_id] = now_s
         stack = [node_id]
@@ -105,6 +109,9 @@ class Workflow:
 
     def agent_next_start(self, now_s: float, llm_s: float, default_tool_s: float) -> dict[str, float]:
         """W5: each agent's earliest estimated start of a pending LLM node (inf when none)."""
+        key = (now_s, llm_s, default_tool_s)
+        if self._starts is not None and self._starts[0] == key:
+            return dict(self._starts[1])
         end: dict[str, float] = {}
         best: dict[str, float] = {n.agent_id: math.inf for n in self.nodes.values() if n.agent_id is not None}
         for nid in self.order:
@@ -127,7 +134,8 @@ class Workflow:
                 a = n.agent_id
                 if a is not None and start < best[a]:
                     best[a] = start
-        return best
+        self._starts = (key, best)
+        return dict(best)
 
     def steps(self) -> dict[str, int]:
         """Steps to execution of every pending node (W3)."""

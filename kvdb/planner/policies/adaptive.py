@@ -113,7 +113,13 @@ class _Mini:
 
     def access(self, ids: list, ctx: AccessContext | None, call: tuple[int, bool]) -> int:
         table = self.table
-        while sum(1 for b in ids if b not in table) > len(self.free):
+        while True:  # room for the blocks it does not hold (a loop, not a generator: compiled, see setup.py)
+            missing = 0
+            for b in ids:
+                if b not in table:
+                    missing += 1
+            if missing <= len(self.free):
+                break
             if not self._evict_one():
                 return 0
         frames = []

@@ -39,12 +39,13 @@ agent of their own, ``(session, HINT)``.
 
 from __future__ import annotations
 
+import copy
 import heapq
+import inspect
 import math
 from array import array
 from collections.abc import Hashable
 
-from kvdb.planner.policies.heap import top_live
 from kvdb.planner.policies.nextuse import deadline
 
 ABSENT, LISTED, PINNED = 0, 1, 2  # frame states (PlannedReplacer's ``_state``; defined here, below it)
@@ -73,6 +74,27 @@ class AgentPlans:
         self._aplan: list[tuple] = []  # (-t, -depth, seq, agent): furthest first, then deepest
         self._aexp: list[tuple] = []  # (deadline, seq, agent): earliest first
         self._seq = 0
+
+    def _push_gd(self, f: int) -> None:
+        raise NotImplementedError  # PlannedCore's (declared here: compiled, the base calls it directly)
+
+    def __deepcopy__(self, memo: dict) -> AgentPlans:
+        """A field-by-field deep copy (a guard copies a mini cache, kvdb/planner/policies/adaptive.py).
+        Compiled, the fields that the .pxd declares are not in ``__dict__`` and their arrays are
+        read through typed views; the copy takes each view's array, so views of one array (``_key``
+        and ``_h``) stay one array."""
+        cls = type(self)
+        new = cls.__new__(cls)
+        memo[id(self)] = new
+        fields = dict(getattr(self, "__dict__", {}))
+        for klass in cls.__mro__:
+            for name, d in vars(klass).items():
+                if (inspect.isgetsetdescriptor(d) or inspect.ismemberdescriptor(d)) and not name.startswith("__"):
+                    value = getattr(self, name)
+                    fields[name] = getattr(value, "base", value) if type(value).__name__ == "_memoryviewslice" else value
+        for name, value in fields.items():
+            setattr(new, name, copy.deepcopy(value, memo))
+        return new
 
     # -- frames --------------------------------------------------------------------------
     def _plan_of(self, f: int) -> float | None:
@@ -296,7 +318,7 @@ class AgentPlans:
             else:
                 best = (-negt, self._depth[f], f)
                 break
-        e = top_live(self._fplan, self._pver, self._state, self._planned, 1)
+        e = self._top_live(self._fplan, self._pver, self._planned, 1)
         if e is not None and (best is None or (-e[0], -e[1]) > best[:2]):  # furthest, then deepest
             return -e[0], e[3]
         return None if best is None else (best[0], best[2])
@@ -323,6 +345,28 @@ class AgentPlans:
             return f
         self._agent_cur[agent] = -1
         return None
+
+    def _top_live(self, heap: list[tuple], ver: array, flag: bytearray, want: int) -> tuple | None:
+        """The smallest live, unpinned entry of a lazy heap of ``(..., version, frame)`` entries,
+        left on the heap: stale entries (version moved on, frame absent, or ``flag[frame] != want``)
+        are dropped, pinned ones set aside and pushed back."""
+        state = self._state
+        stash = []
+        found = None
+        while heap:
+            e = heap[0]
+            f = e[-1]
+            if ver[f] != e[-2] or state[f] == ABSENT or flag[f] != want:
+                heapq.heappop(heap)
+                continue
+            if state[f] == PINNED:
+                stash.append(heapq.heappop(heap))
+                continue
+            found = e
+            break
+        for e in stash:
+            heapq.heappush(heap, e)
+        return found
 
     def debug_plan(self, frame: int) -> float | None:
         """The frame's planned next use, None when it is not planned (tests only)."""

@@ -125,24 +125,3 @@ class HeapReplacer(Replacer):
     def debug_key(self, frame: int) -> Any:
         return self._key[frame]
 
-
-def top_live(heap: list[tuple], ver: array, state: bytearray, flag: bytearray, want: int) -> tuple | None:
-    """The smallest live, unpinned entry of a lazy heap of ``(..., version, frame)`` entries,
-    left on the heap: stale entries (version moved on, frame absent, or ``flag[frame] != want``)
-    are dropped, pinned ones set aside and pushed back."""
-    stash = []
-    found = None
-    while heap:
-        e = heap[0]
-        f = e[-1]
-        if ver[f] != e[-2] or state[f] == ABSENT or flag[f] != want:
-            heapq.heappop(heap)
-            continue
-        if state[f] == PINNED:
-            stash.append(heapq.heappop(heap))
-            continue
-        found = e
-        break
-    for e in stash:
-        heapq.heappush(heap, e)
-    return found

@@ -10,22 +10,21 @@ from array import array
 from kvdb.buffer_pool.replacer import Replacer
 
 _NIL = -1
+_ABSENT, _LISTED, _PINNED = 0, 1, 2  # a frame's state
 
 
-class LruReplacer(Replacer):
+class LruCore:
     """Least recently used, as an intrusive doubly linked list over two int32 arrays.
 
     Memory is 9 bytes per frame (prev, next, state), not a Python object per page: a pool
     with a million resident pages spends 9 MB here. Head = most recent, tail = victim end.
     Only evictable frames are on the list; a pinned frame leaves the list and re-enters at
-    the head when unpinned.
+    the head when unpinned. LruReplacer is this class and the interface; compiled (setup.py),
+    this class is an extension type typed by lru.pxd.
     """
 
-    name = "lru"
-    _ABSENT, _LISTED, _PINNED = 0, 1, 2
-
     def __init__(self, num_frames: int) -> None:
-        super().__init__(num_frames)
+        Replacer.__init__(self, num_frames)
         self._prev = array("i", [_NIL]) * num_frames
         self._next = array("i", [_NIL]) * num_frames
         self._state = bytearray(num_frames)
@@ -64,38 +63,38 @@ class LruReplacer(Replacer):
             if not 0 <= f < n:  # before indexing: state[-1] would be the last frame's
                 self._check(f)
             s = state[f]
-            if s == self._LISTED:
+            if s == _LISTED:
                 self._unlink(f)
                 self._push_head(f)
-            elif s == self._ABSENT:
-                state[f] = self._LISTED
+            elif s == _ABSENT:
+                state[f] = _LISTED
                 self._push_head(f)
 
     def set_evictable(self, frame: int, evictable: bool) -> None:
         self._check(frame)
         s = self._state[frame]
-        if evictable and s == self._PINNED:
-            self._state[frame] = self._LISTED
+        if evictable and s == _PINNED:
+            self._state[frame] = _LISTED
             self._push_head(frame)
-        elif not evictable and s == self._LISTED:
+        elif not evictable and s == _LISTED:
             self._unlink(frame)
-            self._state[frame] = self._PINNED
-        elif not evictable and s == self._ABSENT:
-            self._state[frame] = self._PINNED
+            self._state[frame] = _PINNED
+        elif not evictable and s == _ABSENT:
+            self._state[frame] = _PINNED
 
     def evict(self) -> int | None:
         f = self._tail
         if f == _NIL:
             return None
         self._unlink(f)
-        self._state[f] = self._ABSENT
+        self._state[f] = _ABSENT
         return f
 
     def remove(self, frame: int) -> None:
         self._check(frame)
-        if self._state[frame] == self._LISTED:
+        if self._state[frame] == _LISTED:
             self._unlink(frame)
-        self._state[frame] = self._ABSENT
+        self._state[frame] = _ABSENT
 
     def num_evictable(self) -> int:
         return self._count
@@ -107,3 +106,7 @@ class LruReplacer(Replacer):
             out.append(f)
             f = self._prev[f]
         return out
+
+
+class LruReplacer(LruCore, Replacer):
+    name = "lru"

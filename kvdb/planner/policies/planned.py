@@ -54,7 +54,6 @@ from kvdb.planner.events import (
     SessionEnded,
 )
 from kvdb.planner.policies.agentplans import ABSENT, HINT, LISTED, PINNED, AgentPlans
-from kvdb.planner.policies.heap import top_live
 from kvdb.planner.policies.nextuse import LLM_CALL_S, NextUseEstimator, hint_plan
 from kvdb.planner.policies.reuse import ReuseEstimator
 
@@ -64,12 +63,12 @@ REPLAN_TOLERANCE_S = 0.5
 HALF_LIFE_TICKS = 1000.0  # crf: half-life of a block's recency-frequency, in record_access calls
 
 
-class PlannedReplacer(AgentPlans, Replacer):
-    name = "kvdb"
+class PlannedCore(AgentPlans):
+    """PlannedReplacer's state and methods (compiled when the extension is built)."""
 
     def __init__(self, num_frames: int, llm_call_s: float = LLM_CALL_S, unplanned: str = "gd",
                  half_life: float = HALF_LIFE_TICKS, workflows: bool = True) -> None:
-        super().__init__(num_frames)
+        Replacer.__init__(self, num_frames)
         if not half_life > 0 or half_life == math.inf:
             raise InvalidInput(f"half_life must be a positive number of calls, got {half_life!r}")
         n = num_frames
@@ -350,7 +349,7 @@ class PlannedReplacer(AgentPlans, Replacer):
     def evict(self) -> int | None:
         now = self._now
         self._expire_plans(now)
-        g = top_live(self._gd, self._ver, self._state, self._planned, 0)
+        g = self._top_live(self._gd, self._ver, self._planned, 0)
         p = self._planned_victim()
         if g is not None and g[0] <= (self._Lc if self._use_crf else self._L):
             f = g[-1]  # junk (a call's last block, an ended session) or aged out: first to go
@@ -428,3 +427,7 @@ class PlannedReplacer(AgentPlans, Replacer):
     def debug_value(self, frame: int) -> float:
         """The frame's GreedyDual value above the floor L, H - L (tests only)."""
         return self._h[frame] - self._L
+
+
+class PlannedReplacer(PlannedCore, Replacer):
+    name = "kvdb"
