@@ -34,7 +34,7 @@ $(BIN)/python:
 
 # the planner modules Cython compiles (a .pxd beside the .py, setup.py): editing one rebuilds them
 # in place before any target that runs kvdb, so a compiled module never lags behind its source
-COMPILED := $(wildcard kvdb/*/*.pxd kvdb/*/*/*.pxd)
+COMPILED := $(shell find kvdb -name '*.pxd')
 COMPILED_STAMP := $(VENV)/.kvdb-compiled
 
 $(STAMP): $(BIN)/python pyproject.toml setup.py native/kvdb_native.c native/build.py

@@ -13,13 +13,16 @@ the same traces both ways and requires the same decisions.
 
 from __future__ import annotations
 
+import copy
 import importlib.abc
 import importlib.util
+import inspect
 import os
 import sys
 from pathlib import Path
 
 PACKAGE_DIR = Path(__file__).resolve().parent
+PURE = bool(os.environ.get("KVDB_PURE_PYTHON"))  # read once: kvdb/native.py's twins follow it too
 
 
 def compiled_modules() -> list[str]:
@@ -31,6 +34,24 @@ def compiled_modules() -> list[str]:
         if name != "kvdb._native" and so.with_name(so.name.split(".")[0] + ".py").exists():
             names.append(name)
     return names
+
+
+def copy_fields(obj, memo: dict):
+    """A deep copy of ``obj`` field by field, for the ``__deepcopy__`` of a class that may be
+    compiled: there the fields its ``.pxd`` declares are not in ``__dict__`` and its arrays are read
+    through typed views; the copy takes each view's array, so two views of one array stay one."""
+    cls = type(obj)
+    new = cls.__new__(cls)
+    memo[id(obj)] = new
+    fields = dict(getattr(obj, "__dict__", {}))
+    for klass in cls.__mro__:
+        for name, d in vars(klass).items():
+            if (inspect.isgetsetdescriptor(d) or inspect.ismemberdescriptor(d)) and not name.startswith("__"):
+                value = getattr(obj, name)
+                fields[name] = getattr(value, "base", value) if type(value).__name__ == "_memoryviewslice" else value
+    for name, value in fields.items():
+        setattr(new, name, copy.deepcopy(value, memo))
+    return new
 
 
 class _SourceFinder(importlib.abc.MetaPathFinder):
@@ -53,5 +74,5 @@ def use_python_source() -> None:
         sys.meta_path.insert(0, _SourceFinder())
 
 
-if os.environ.get("KVDB_PURE_PYTHON"):
+if PURE:
     use_python_source()

@@ -14,6 +14,7 @@ import sys
 
 import numpy as np
 
+from kvdb.compiled import PURE
 from kvdb.errors import InvalidInput, KvdbError
 from kvdb.types import KEY_BYTES
 
@@ -27,7 +28,7 @@ try:
 except ImportError:  # pragma: no cover - a declared dependency; the C loop serves without it
     _fast_crc = None
 
-if not os.environ.get("KVDB_PURE_PYTHON"):
+if not PURE:  # KVDB_PURE_PYTHON, read once at ``import kvdb`` (kvdb/compiled.py)
     try:
         from kvdb._native import ffi as _ffi  # type: ignore[import-not-found]
         from kvdb._native import lib as _lib

@@ -75,6 +75,13 @@ class Replacer(ABC):
     def on_event(self, event: Any) -> None:
         """Workflow / session events from the planner; classic policies ignore them."""
 
+    def _check_frames(self, frames: Sequence[int]) -> None:
+        """Every frame of a call in range before any is touched (``-1`` would index the last)."""
+        n = self.num_frames
+        for f in frames:
+            if not 0 <= f < n:
+                self._check(f)
+
     def _check(self, frame: int) -> None:
         if not 0 <= frame < self.num_frames:
             raise InvalidInput(f"frame {frame} outside [0, {self.num_frames})")

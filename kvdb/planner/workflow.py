@@ -49,7 +49,7 @@ class Workflow:
     done_s: dict[str, float] = field(default_factory=dict)  # node -> when its call was seen
     # the last agent_next_start, ((now_s, llm_s, default_tool_s), result), until mark_done: every
     # planner of a guard (kvdb/planner/policies/adaptive.py) asks the same after each call
-    _starts: tuple | None = field(default=None, repr=False, compare=False)
+    _starts: tuple | None = field(default=None, init=False, repr=False, compare=False)
 
     @classmethod
     def from_spec(cls, session_id: str, nodes: Iterable[Mapping[str, Any]], where: str = "workflow") -> "Workflow":

@@ -16,6 +16,8 @@ import pytest
 
 import kvdb
 from kvdb.compiled import compiled_modules
+from kvdb.errors import InvalidInput
+from kvdb.planner.policies import POLICIES, REPLAY_ONLY, make_policy
 from kvdb.planner.policies.planned import PlannedReplacer
 
 PACKAGE = Path(kvdb.__file__).resolve().parent
@@ -121,3 +123,26 @@ def test_a_copied_planner_decides_as_the_original():
     assert table == twin_table
     victims = [r.evict() for _ in range(20)]
     assert victims == [twin.evict() for _ in range(20)] and None not in victims
+
+
+@pytest.mark.parametrize("name", sorted(set(POLICIES) - REPLAY_ONLY))
+@pytest.mark.parametrize("bad", [-1, 8, 2**70])
+def test_a_frame_out_of_range_is_refused_before_anything_changes(name, bad):
+    """R-contract (kvdb/buffer_pool/replacer.py): InvalidInput, compiled or not (a typed frame would
+    overflow on 2**70; -1 would index the last frame), and the call's other frames stay unknown."""
+    r = make_policy(name, 8)
+    r.record_access([0, 1], [10, 11])
+    with pytest.raises(InvalidInput):
+        r.record_access([2, bad], [12, 13])
+    assert r.num_evictable() == 2
+
+
+@pytest.mark.parametrize("name", ["lru", "planner", "kvdb"])
+def test_a_copied_replacer_evicts_as_the_original(name):
+    r = make_policy(name, 16, **({"capacity_frames": 16} if name == "kvdb" else {}))
+    r.record_access(list(range(10)), list(range(100, 110)))
+    r.record_access([3, 1, 7], [103, 101, 107])
+    twin = copy.deepcopy(r)
+    r.record_access([9, 2], [109, 102])
+    twin.record_access([9, 2], [109, 102])
+    assert [r.evict() for _ in range(10)] == [twin.evict() for _ in range(10)]

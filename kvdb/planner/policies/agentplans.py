@@ -39,13 +39,12 @@ agent of their own, ``(session, HINT)``.
 
 from __future__ import annotations
 
-import copy
 import heapq
-import inspect
 import math
 from array import array
 from collections.abc import Hashable
 
+from kvdb.compiled import copy_fields
 from kvdb.planner.policies.nextuse import deadline
 
 ABSENT, LISTED, PINNED = 0, 1, 2  # frame states (PlannedReplacer's ``_state``; defined here, below it)
@@ -79,22 +78,9 @@ class AgentPlans:
         raise NotImplementedError  # PlannedCore's (declared here: compiled, the base calls it directly)
 
     def __deepcopy__(self, memo: dict) -> AgentPlans:
-        """A field-by-field deep copy (a guard copies a mini cache, kvdb/planner/policies/adaptive.py).
-        Compiled, the fields that the .pxd declares are not in ``__dict__`` and their arrays are
-        read through typed views; the copy takes each view's array, so views of one array (``_key``
-        and ``_h``) stay one array."""
-        cls = type(self)
-        new = cls.__new__(cls)
-        memo[id(self)] = new
-        fields = dict(getattr(self, "__dict__", {}))
-        for klass in cls.__mro__:
-            for name, d in vars(klass).items():
-                if (inspect.isgetsetdescriptor(d) or inspect.ismemberdescriptor(d)) and not name.startswith("__"):
-                    value = getattr(self, name)
-                    fields[name] = getattr(value, "base", value) if type(value).__name__ == "_memoryviewslice" else value
-        for name, value in fields.items():
-            setattr(new, name, copy.deepcopy(value, memo))
-        return new
+        """Field by field (a guard copies a mini cache, kvdb/planner/policies/adaptive.py): compiled,
+        the fields are not in ``__dict__`` (kvdb/compiled.py ``copy_fields``)."""
+        return copy_fields(self, memo)
 
     # -- frames --------------------------------------------------------------------------
     def _plan_of(self, f: int) -> float | None:

@@ -21,6 +21,7 @@ class LfuReplacer(HeapReplacer):
         self._tick = 0
 
     def record_access(self, frames, ids=None, ctx=None) -> None:
+        self._check_frames(frames)
         self._tick += 1
         t = self._tick
         hits, state = self._hits, self._state

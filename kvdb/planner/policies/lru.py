@@ -8,6 +8,7 @@ from __future__ import annotations
 from array import array
 
 from kvdb.buffer_pool.replacer import Replacer
+from kvdb.compiled import copy_fields
 
 _NIL = -1
 _ABSENT, _LISTED, _PINNED = 0, 1, 2  # a frame's state
@@ -31,6 +32,9 @@ class LruCore:
         self._head = _NIL
         self._tail = _NIL
         self._count = 0
+
+    def __deepcopy__(self, memo: dict) -> LruCore:
+        return copy_fields(self, memo)  # compiled, the fields are not in ``__dict__``
 
     def _unlink(self, f: int) -> None:
         p, n = self._prev[f], self._next[f]

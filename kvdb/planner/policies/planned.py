@@ -178,6 +178,7 @@ class PlannedCore(AgentPlans):
 
     # -- Replacer -----------------------------------------------------------------------
     def record_access(self, frames, ids=None, ctx: AccessContext | None = None) -> None:
+        self._check_frames(frames)
         if ctx is not None and ctx.now_s > self._now:
             self._now = ctx.now_s
         now = self._now

@@ -8,7 +8,7 @@ cdef class ReuseEstimator:
     cdef public double alpha
 
     @cython.locals(got=tuple)
-    cpdef long long recall(self, object bid, double now) except -1
+    cpdef long long recall(self, object bid, double now) except? -1
     cpdef seen_again(self, int klass)
     cpdef double first_value(self, int klass) except? -1
     @cython.locals(k=cython.int)
