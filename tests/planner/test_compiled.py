@@ -127,13 +127,15 @@ def test_a_copied_planner_decides_as_the_original():
 
 @pytest.mark.parametrize("name", sorted(set(POLICIES) - REPLAY_ONLY))
 @pytest.mark.parametrize("bad", [-1, 8, 2**70])
-def test_a_frame_out_of_range_is_refused_before_anything_changes(name, bad):
+@pytest.mark.parametrize("first", [False, True], ids=["bad-last", "bad-first"])
+def test_a_frame_out_of_range_is_refused_before_anything_changes(name, bad, first):
     """R-contract (kvdb/buffer_pool/replacer.py): InvalidInput, compiled or not (a typed frame would
-    overflow on 2**70; -1 would index the last frame), and the call's other frames stay unknown."""
+    overflow on 2**70; -1 would index the last frame), and the call's other frames stay unknown,
+    whichever end of the call the bad frame is at (several policies walk it deepest first)."""
     r = make_policy(name, 8)
     r.record_access([0, 1], [10, 11])
     with pytest.raises(InvalidInput):
-        r.record_access([2, bad], [12, 13])
+        r.record_access([bad, 2] if first else [2, bad], [12, 13])
     assert r.num_evictable() == 2
 
 

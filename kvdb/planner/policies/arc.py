@@ -46,6 +46,7 @@ class ArcReplacer(PinSetReplacer):
         c = self.capacity_frames
         if ids is not None and len(ids) != len(frames):
             raise InvalidInput(f"record_access got {len(frames)} frames but {len(ids)} ids")
+        self._check_frames(frames)
         for i in range(len(frames) - 1, -1, -1):  # deepest first (R3)
             f = frames[i]
             bid = ids[i] if ids is not None else None
@@ -55,7 +56,6 @@ class ArcReplacer(PinSetReplacer):
             elif f in self._t2:
                 self._t2.move_to_end(f)
             else:
-                self._check(f)
                 if bid is not None and bid in self._b1:
                     self._p = min(c, self._p + max(1.0, len(self._b2) / max(1, len(self._b1))))
                     del self._b1[bid]

@@ -61,6 +61,7 @@ class KvflowReplacer(LruOrderedReplacer):
         self._dirty = False
 
     def record_access(self, frames, ids=None, ctx=None) -> None:
+        self._check_frames(frames)
         sid = ctx.session_id if ctx is not None else None
         g = (sid, self._current[1] if self._current[0] == sid else None)
         grp = self._groups.get(g)
@@ -69,7 +70,6 @@ class KvflowReplacer(LruOrderedReplacer):
             self._dirty = True
         for i in range(len(frames) - 1, -1, -1):  # deepest first: the shallowest ends most recent
             f = frames[i]
-            self._check(f)
             old = self._group_of.get(f)
             if old is not None and old != g:
                 og = self._groups.get(old)

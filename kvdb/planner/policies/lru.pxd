@@ -11,7 +11,7 @@ cdef class LruCore:
 
     cdef _unlink(self, int f)
     cdef _push_head(self, int f)
-    @cython.locals(i=cython.Py_ssize_t, n=cython.Py_ssize_t, s=cython.int)  # f untyped: checked before use
+    @cython.locals(i=cython.Py_ssize_t, s=cython.int)  # f untyped: a huge frame is refused, not an OverflowError
     cpdef record_access(self, frames, ids=*, ctx=*)
     @cython.locals(f=cython.int)
     cpdef evict(self)

@@ -61,11 +61,9 @@ class LruCore:
     def record_access(self, frames, ids=None, ctx=None) -> None:
         # deepest first, so the shallowest ends most recent (R3)
         state = self._state
-        n = self.num_frames
+        self._check_frames(frames)  # all first: state[-1] would be the last frame's
         for i in range(len(frames) - 1, -1, -1):
             f = frames[i]
-            if not 0 <= f < n:  # before indexing: state[-1] would be the last frame's
-                self._check(f)
             s = state[f]
             if s == _LISTED:
                 self._unlink(f)

@@ -233,7 +233,6 @@ class PlannedCore(AgentPlans):
             bid = ids[j] if ids is not None else None
             if state[f] == ABSENT or hits[f] == 0:
                 if state[f] == ABSENT:
-                    self._check(f)
                     state[f] = LISTED
                     self._count += 1
                 n = (reuse.recall(bid, now) if bid is not None else 0) + 1

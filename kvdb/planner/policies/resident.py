@@ -66,9 +66,7 @@ class ResidentReplacer(Replacer):
     def record_access(self, frames, ids=None, ctx=None) -> None:
         if ids is not None and len(ids) != len(frames):
             raise InvalidInput(f"record_access got {len(frames)} frames but {len(ids)} ids")
-        for f in frames:  # check all first: a bad frame leaves no trace
-            if not 0 <= f < self.num_frames:
-                self._check(f)
+        self._check_frames(frames)  # all first: a bad frame leaves no trace
         self._begin(ctx)
         known, pinned = self._known, self._pinned
         for i in range(len(frames) - 1, -1, -1):  # deepest first (R3)

@@ -67,6 +67,7 @@ class TokencakeReplacer(LruOrderedReplacer):
             self._waiting.pop(event.session_id, None)
 
     def record_access(self, frames, ids=None, ctx=None) -> None:
+        self._check_frames(frames)
         if ctx is not None and ctx.now_s > self._now:
             self._now = ctx.now_s
         sid = ctx.session_id if ctx is not None else None
@@ -77,7 +78,6 @@ class TokencakeReplacer(LruOrderedReplacer):
                 priv = self._private[sid] = OrderedDict()
         for i in range(len(frames) - 1, -1, -1):
             f = frames[i]
-            self._check(f)
             self._lru[f] = None
             self._lru.move_to_end(f)
             if f in self._shared:
