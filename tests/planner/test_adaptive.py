@@ -208,3 +208,67 @@ def test_a_mini_treats_only_the_calls_own_last_block_as_partial():
     assert mini.repl.debug_value(mini.table[sampled[3]]) > 0
     # the real tier's planner is told nothing: its last block is at the floor
     assert guard.planner.debug_value(9) == 0 and guard.planner.debug_value(5) == 0
+
+
+def _agentic_mix(seed: int):
+    from kvdb.sim.generator import generate, load_params
+
+    return parse_trace("".join(json.dumps(r) + "\n" for r in generate(load_params(None, shape="agentic-mix", seed=seed))))
+
+
+def test_tc_learns_from_the_unplanned_blocks_a_planned_eviction_spares():
+    """T1 (kvdb/planner/policies/planned.py): a planned block is evicted first when its plan lies
+    beyond Tc; Tc learned only from unplanned victims, so once it was small nothing unplanned was
+    evicted again and it never moved. Here Tc starts at 0; blocks idle for ~1000 s must go
+    before a chain planned 7 s ahead, once the first planned eviction has taught Tc their age."""
+    from kvdb.planner.policies import make_policy
+    from kvdb.planner.sessions import Planner
+
+    repl = make_policy("planner", 16)
+    planner = Planner([repl], clock=lambda: 0.0)
+
+    def call(sid, frames, now, hints=None):
+        ctx, _ = planner.call_started(sid, agent_id="a" if sid else None, hints=hints or {}, now_s=now)
+        repl.record_access(frames, [1000 + f for f in frames], ctx)
+        planner.call_finished(sid, agent_id="a" if sid else None, hints=ctx.hints, now_s=now)
+
+    call(None, [0, 1, 2], 0.0)  # read twice: worth more than the one-shot blocks below
+    call(None, [0, 1, 2], 1.0)
+    call(None, [3, 4, 5], 999.5)
+    assert [repl.evict() for _ in range(4)] == [5, 2, 4, 3]  # two last blocks, then two one-shot: Tc = 0
+    assert repl.debug_tc() == 0.0
+    call("s", list(range(6, 14)), 1000.0, {"expected_tool_duration_s": 5.0})
+    assert [repl.debug_plan(f) for f in range(6, 13)] == [1007.0] * 7
+    # 13 is the call's last block; 12 the first planned victim (its plan lies beyond Tc = 0);
+    # that eviction spared block 1, idle 999 s: Tc moves toward it, and the idle blocks go next
+    assert [repl.evict() for _ in range(4)] == [13, 12, 1, 0]
+    assert repl.debug_tc() > 7.0
+
+
+def test_turning_workflows_off_mid_run_plans_as_well_as_never_having_them(monkeypatch):
+    """The guard turns planning from workflows off when ``nowf`` wins its samples. On this
+    workload (agentic-mix, seed 702, 0.5 %) the tier then fell to 0.36 hit ratio against 0.51
+    for the planner without workflows from the start, and ``kvdb`` below LRU: Tc had locked
+    low (T1). The switched planner now keeps up, and the guard stays above LRU."""
+    from kvdb.sim import replay as rp
+
+    tr = _agentic_mix(702)
+    cap = max(1, int(tr.distinct_blocks() * 0.005))
+    at = len(tr.calls) // 5
+    make, made = rp.make_policy, []
+    monkeypatch.setattr(rp, "make_policy", lambda *a, **k: made.append(make(*a, **k)) or made[-1])
+    after = {}
+    for name, opts in (("switched", {}), ("nowf", {"workflows": False})):
+        hits = [0, 0]
+
+        def per(d):
+            if d["call"] == at and name == "switched":
+                made[-1].set_workflows(False)
+            if d["call"] >= at:
+                hits[0] += d["hits"]
+                hits[1] += d["blocks"]
+
+        replay(tr, "planner", cap, per_request=per, options=opts)
+        after[name] = hits[0] / hits[1]
+    assert after["switched"] >= after["nowf"] - 0.02, after
+    assert _hit(tr, "kvdb", cap) >= _hit(tr, "lru", cap) - 0.005

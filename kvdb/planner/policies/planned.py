@@ -28,6 +28,13 @@ Victim order: expired plans are demoted; then (1) an unplanned block at or below
 needed within Tc would not survive anyway) or nothing unplanned is left; (3) the unplanned
 block with the least H. Ties go to the deeper block (R3): keys carry -depth.
 
+T1  Tc follows the unplanned blocks that (2) spares too: when the one (3) would have taken is
+    already older than Tc, Tc moves toward its age. Learning only from (3)'s victims locked
+    Tc low: once a small Tc sent every eviction to (2), no unplanned block was evicted again,
+    Tc never moved, and planned blocks wanted within seconds went before unplanned ones idle
+    far longer (agentic-mix at 0.5 %, after the guard turned workflows off mid-run: 0.36 hit
+    ratio from then on, against 0.51 for the planner without workflows from the start).
+
 Plans are kept per agent (kvdb.planner.policies.agentplans): a block only its agent wants
 follows that agent's one heap entry, so re-planning an agent costs O(log agents) plus its
 shared blocks, not its whole chain. Costs per access: O(log n) heap pushes; stale heap entries
@@ -355,6 +362,10 @@ class PlannedCore(AgentPlans):
             f = g[-1]  # junk (a call's last block, an ended session) or aged out: first to go
         elif p is not None and (g is None or p[0] - now > self._tc):
             f = p[1]
+            if g is not None:  # the unplanned block this spared has outlived Tc: Tc learns it (T1)
+                age = now - self._last_s[g[-1]]
+                if age > self._tc:
+                    self._tc += TC_ALPHA * (age - self._tc)
         elif g is not None:
             f = g[-1]
             if self._use_crf:
