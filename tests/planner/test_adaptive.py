@@ -61,14 +61,15 @@ def test_guard_follows_lru_where_the_planner_loses(seed, cap):
     assert kvdb - planner >= 0.7 * (lru - planner)
 
 
-def _probe(trace, cap: int) -> tuple[float, AdaptiveReplacer]:
-    """Replay under the kvdb policy and hand back the guard itself, to read what it learned."""
+def _probe(trace, cap: int, sized: bool = False) -> tuple[float, AdaptiveReplacer]:
+    """Replay under the kvdb policy and hand back the guard itself, to read what it learned
+    (``sized``: told the capacity, as ``kvdb sim`` tells it)."""
     from kvdb.planner import policies
 
     made = []
 
     def factory(n, **kw):
-        made.append(AdaptiveReplacer(n, **kw))
+        made.append(AdaptiveReplacer(n, **({"capacity_frames": cap} if sized else {}), **kw))
         return made[-1]
 
     policies.POLICIES["_probe"] = factory
@@ -298,3 +299,41 @@ def test_turning_workflows_off_mid_run_plans_as_well_as_never_having_them(monkey
         after[name] = hits[0] / hits[1]
     assert after["switched"] >= after["nowf"] - 0.02, after
     assert _hit(tr, "kvdb", cap) >= _hit(tr, "lru", cap) - 0.005
+
+
+def test_at_rate_one_the_tier_stands_for_its_own_ordering():
+    """G1: a tier of at most MIN_MINI_BLOCKS frames samples every block, so the mini of the
+    ordering in force would repeat the tier: none is kept, the tier's own hits stand for it.
+    A switch makes the mini of the ordering left from the tier as it is (its blocks, none
+    pinned) and drops the mini of the one taken up."""
+    g = AdaptiveReplacer(40, capacity_frames=32)
+    assert g.rate == 1.0 and set(g._minis) == {"crf", "lru"}
+    for i in range(6):
+        g.record_access([4 * i + j for j in range(4)], [100 + 4 * i + j for j in range(4)])
+    g.record_access([0, 1, 30], [100, 101, 500])  # hits 100 and 101, then a new block
+    c = g.describe()["candidates"]
+    assert set(c) == {"gd", "crf", "lru"}
+    assert c["gd"]["sampled_accesses"] == 27 and c["gd"]["sampled_hit_ratio"] == 2 / 27
+    assert c["gd"] == c["crf"] == c["lru"]  # every ordering held those blocks
+    g.set_evictable(5, False)
+    g._switch("lru")
+    assert set(g._minis) == {"gd", "crf"}
+    gd = g._minis["gd"]
+    resident = {100 + f for f in range(24)} | {500}
+    assert set(gd.table) == resident and all(gd.owner[f] == b for b, f in gd.table.items())
+    assert gd.repl.num_evictable() == len(resident)  # the tier's pin is not the mini's
+    victims = [gd.repl.evict() for _ in range(len(resident))]
+    assert sorted(victims) == sorted(gd.table.values())  # it holds exactly the tier's frames
+    assert g.describe()["candidates"]["gd"] == c["gd"]  # its past goes with it
+
+
+def test_a_small_tier_replays_with_every_call_counted_for_each_ordering():
+    """At rate 1 the minis have the tier's frames: a call of over twice the cache still
+    reaches every mini, so no ordering is credited with hits the others never had a chance at."""
+    rng = random.Random(11)
+    calls = [list(range(1000 * i, 1000 * i + 70)) if i % 7 == 0 else [rng.randrange(40) for _ in range(3)]
+             for i in range(600)]
+    _, guard = _probe(_trace([list(dict.fromkeys(c)) for c in calls]), 20, sized=True)
+    c = guard.describe()["candidates"]
+    assert guard.rate == 1.0 and guard.epochs > 0
+    assert len({v["sampled_accesses"] for v in c.values()}) == 1

@@ -44,10 +44,17 @@ pool needs a frame), each down to ``rate`` x the frames still resident, so at ``
 candidate's mini is that candidate exactly. ``describe`` reports the capacity learned this
 way (resident frames after the last eviction of a burst).
 
+At ``rate`` 1 (a tier of at most MIN_MINI_BLOCKS frames) the mini of the ordering in force
+would repeat the tier itself (G1): the tier's own hits stand for it, call by call, and no mini
+of it is kept. A switch away from an ordering makes its mini then, as a copy of the tier
+(every frame it holds, none pinned: a mini is never pinned), and drops the mini of the
+ordering the tier takes up.
+
 Causal and deterministic: the minis see only what the real policy sees, in the same order; the
 sample is a function of block ids only. Costs per access: the planner, an LRU update, and
-``rate`` x (the candidates) -- ``rate`` is 1/8 by default; ``nowf`` is simulated only once a
-session has declared a workflow (until then it would decide exactly as ``gd``).
+``rate`` x (the candidates but the one in force at ``rate`` 1) -- ``rate`` is 1/8 by default;
+``nowf`` is simulated only once a session has declared a workflow (until then it would decide
+exactly as ``gd``).
 """
 
 from __future__ import annotations
@@ -158,13 +165,18 @@ class AdaptiveReplacer(Replacer):
         c = max(1, capacity_frames if capacity_frames is not None else num_frames)
         self.rate = min(1.0, max(0.0, sample_rate, MIN_MINI_BLOCKS / c))
         self._threshold = int(self.rate * (1 << 32))
-        mini_n = int(c * self.rate) * 2 + 16
+        self._shadow = self.rate >= 1.0  # G1: the tier is the mini of its own ordering
+        # at rate 1 a mini has the tier's frames: it takes every call the tier takes, as the
+        # tier's own hits (G1) do, so that no call counts for the ordering in force alone
+        mini_n = num_frames if self._shadow else int(c * self.rate) * 2 + 16
         self._minis: dict[str, _Mini] = {}
+        self._mode_counts = [0, 0]  # at rate 1: the tier's hits and accesses, for the ordering in force
+        self._pins: set[int] = set()  # frames the tier holds pinned (a copy of it unpins them)
         # until a session declares a workflow, ``nowf`` decides exactly as ``gd``: it is made
         # then, as a copy of ``gd``'s mini cache (a trace without workflows never pays for it)
         self._nowf_later = "nowf" in candidates and "gd" in candidates
         for c in candidates:
-            if c == "nowf" and self._nowf_later:
+            if c == "nowf" and self._nowf_later or self._shadow and c == self.mode:
                 continue
             if c == "lru":
                 r: Replacer = LruReplacer(mini_n)
@@ -192,11 +204,16 @@ class AdaptiveReplacer(Replacer):
         self._lru.record_access(frames, ids, ctx)
         known = self._known
         sampled = None
+        tier_hits = 0
+        run = True  # the tier's hits: the leading run of frames it held before this access
         for j, f in enumerate(frames):
             k = known[f]
             if k == 0:
+                run = False
                 self._resident += 1
                 k = known[f] = 2 if ids is not None and sample_hash(ids[j]) < self._threshold else 1
+            elif run:
+                tier_hits += 1
             if k == 2:
                 if sampled is None:
                     sampled = []
@@ -204,7 +221,12 @@ class AdaptiveReplacer(Replacer):
         if sampled is not None and self._minis:
             call = (len(frames), known[frames[-1]] == 2)  # the whole call's length; its last block sampled?
             hits = {c: m.access(sampled, ctx, call) for c, m in self._minis.items()}
-            base = hits.get(self.mode, 0)
+            if self._shadow:  # G1: every block is sampled, and the tier plays its own ordering
+                base = tier_hits
+                self._mode_counts[0] += tier_hits
+                self._mode_counts[1] += len(sampled)
+            else:
+                base = hits.get(self.mode, 0)
             pd, pv = self._pd, self._pv
             for c, h in hits.items():  # paired: each candidate against the ordering in force, call by call
                 d = h - base
@@ -231,6 +253,10 @@ class AdaptiveReplacer(Replacer):
             pv[c] *= DECAY
 
     def _switch(self, mode: str) -> None:
+        if self._shadow:  # G1: the ordering left gets a mini (the tier as it is), the one taken up none
+            self._minis[self.mode] = self._copy_tier()
+            new = self._minis.pop(mode)
+            self._mode_counts = [new.hits, new.accesses]
         self.mode = mode
         self.switches += 1
         self._pd.clear()  # the differences were against the old ordering
@@ -240,10 +266,31 @@ class AdaptiveReplacer(Replacer):
             self.planner.set_unplanned(unplanned)
             self.planner.set_workflows(workflows)
 
+    def _copy_tier(self) -> _Mini:
+        """A mini of the ordering in force, made from the tier (G1, at rate 1): a copy of its
+        replacer holding the same frames, none pinned, and the hits counted for it so far."""
+        repl = copy.deepcopy(self._lru if self.mode == "lru" else self.planner)
+        for f in self._pins:
+            repl.set_evictable(f, True)
+        m = _Mini(repl)
+        ids = self.planner._id
+        m.free = []
+        for f in range(repl.num_frames - 1, -1, -1):
+            bid = ids[f] if self._known[f] else None
+            if bid is None:
+                if self._known[f]:
+                    repl.remove(f)  # resident without an id: no mini can name it
+                m.free.append(f)
+            else:
+                m.table[bid] = f
+                m.owner[f] = bid
+        m.hits, m.accesses = self._mode_counts
+        return m
+
     def on_event(self, event: Any) -> None:
         if self._nowf_later and isinstance(event, SessionBegan) and event.workflow is not None:
             self._nowf_later = False
-            twin = copy.deepcopy(self._minis["gd"])
+            twin = copy.deepcopy(self._minis["gd"]) if "gd" in self._minis else self._copy_tier()
             twin.repl.set_workflows(False)
             self._minis["nowf"] = twin
         self.planner.on_event(event)
@@ -278,10 +325,15 @@ class AdaptiveReplacer(Replacer):
     def set_evictable(self, frame: int, evictable: bool) -> None:
         self.planner.set_evictable(frame, evictable)
         self._lru.set_evictable(frame, evictable)
+        if evictable:
+            self._pins.discard(frame)
+        else:
+            self._pins.add(frame)
 
     def remove(self, frame: int) -> None:
         self.planner.remove(frame)
         self._lru.remove(frame)
+        self._pins.discard(frame)
         self._forget(frame)
 
     def num_evictable(self) -> int:
@@ -295,10 +347,16 @@ class AdaptiveReplacer(Replacer):
             "switches": self.switches,
             "sample_rate": self.rate,
             "learned_capacity_blocks": self._cap,
-            "candidates": {c: {"sampled_accesses": m.accesses,
-                               "sampled_hit_ratio": m.hits / m.accesses if m.accesses else None}
-                           for c, m in self._minis.items()},
+            "candidates": {c: {"sampled_accesses": a, "sampled_hit_ratio": h / a if a else None}
+                           for c, (h, a) in self._counts().items()},
         }
+
+    def _counts(self) -> dict[str, tuple[int, int]]:
+        """(hits, accesses) per candidate: its mini's, or the tier's for the ordering it plays (G1)."""
+        out = {c: (m.hits, m.accesses) for c, m in self._minis.items()}
+        if self._shadow:
+            out[self.mode] = (self._mode_counts[0], self._mode_counts[1])
+        return {c: out[c] for c in CANDIDATES if c in out}
 
     def predicted_return(self, session_id: str) -> float | None:
         return self.planner.predicted_return(session_id)
