@@ -337,3 +337,23 @@ def test_a_small_tier_replays_with_every_call_counted_for_each_ordering():
     c = guard.describe()["candidates"]
     assert guard.rate == 1.0 and guard.epochs > 0
     assert len({v["sampled_accesses"] for v in c.values()}) == 1
+
+
+def test_a_copy_of_the_tier_names_every_frame_it_may_evict_and_removals_reach_the_minis():
+    """G1's copy leaves out a frame the tier holds without a block id (the pool pins a frame it
+    inserted before the replacer hears of the access): a mini could not name it when evicting.
+    At rate 1 a block removed from the tier (promoted, offloaded, deleted) leaves every mini
+    too: the tier's hits see the removal, so the candidates' must."""
+    g = AdaptiveReplacer(40, capacity_frames=32)
+    g.record_access([0, 1, 2, 3], [100, 101, 102, 103])
+    g.set_evictable(7, False)  # pinned before its first access
+    g._switch("lru")
+    gd = g._minis["gd"]
+    assert 7 in gd.free and set(gd.table) == {100, 101, 102, 103}
+    gd.trim(0)  # evicts every frame the copy holds: each must be one it can name
+    assert gd.table == {} and gd.repl.evict() is None
+    g.record_access([4, 5], [104, 105])
+    assert all(104 in m.table for m in g._minis.values())
+    g.remove(4)
+    assert all(104 not in m.table and 105 in m.table for m in g._minis.values())
+    assert g.describe()["candidates"]["lru"]["sampled_accesses"] == 6

@@ -165,7 +165,7 @@ class AdaptiveReplacer(Replacer):
         c = max(1, capacity_frames if capacity_frames is not None else num_frames)
         self.rate = min(1.0, max(0.0, sample_rate, MIN_MINI_BLOCKS / c))
         self._threshold = int(self.rate * (1 << 32))
-        self._shadow = self.rate >= 1.0  # G1: the tier is the mini of its own ordering
+        self._shadow = self.rate >= 1.0 and self.mode in candidates  # G1: the tier is the mini of its own ordering
         # at rate 1 a mini has the tier's frames: it takes every call the tier takes, as the
         # tier's own hits (G1) do, so that no call counts for the ordering in force alone
         mini_n = num_frames if self._shadow else int(c * self.rate) * 2 + 16
@@ -185,6 +185,7 @@ class AdaptiveReplacer(Replacer):
                 r = PlannedReplacer(mini_n, unplanned=unplanned, workflows=workflows, **opts)
             self._minis[c] = _Mini(r)
         self._known = bytearray(num_frames)  # 0 unknown, 1 known and not sampled, 2 known and sampled
+        self._ids: list[Hashable] = [None] * num_frames  # the block each known frame holds (G1's copies)
         self._resident = 0
         self._cap: int | None = None  # learned capacity of the tier (resident frames after evictions)
         self._evicted_since_access = False
@@ -212,13 +213,15 @@ class AdaptiveReplacer(Replacer):
                 run = False
                 self._resident += 1
                 k = known[f] = 2 if ids is not None and sample_hash(ids[j]) < self._threshold else 1
+                if ids is not None:
+                    self._ids[f] = ids[j]
             elif run:
                 tier_hits += 1
             if k == 2:
                 if sampled is None:
                     sampled = []
                 sampled.append(ids[j])
-        if sampled is not None and self._minis:
+        if sampled is not None and (self._minis or self._shadow):
             call = (len(frames), known[frames[-1]] == 2)  # the whole call's length; its last block sampled?
             hits = {c: m.access(sampled, ctx, call) for c, m in self._minis.items()}
             if self._shadow:  # G1: every block is sampled, and the tier plays its own ordering
@@ -270,18 +273,17 @@ class AdaptiveReplacer(Replacer):
         """A mini of the ordering in force, made from the tier (G1, at rate 1): a copy of its
         replacer holding the same frames, none pinned, and the hits counted for it so far."""
         repl = copy.deepcopy(self._lru if self.mode == "lru" else self.planner)
-        for f in self._pins:
-            repl.set_evictable(f, True)
         m = _Mini(repl)
-        ids = self.planner._id
+        ids = self._ids
         m.free = []
         for f in range(repl.num_frames - 1, -1, -1):
             bid = ids[f] if self._known[f] else None
-            if bid is None:
-                if self._known[f]:
-                    repl.remove(f)  # resident without an id: no mini can name it
+            if bid is None:  # free, or held without an id (or pinned before its first access): no mini names it
+                repl.remove(f)
                 m.free.append(f)
             else:
+                if f in self._pins:
+                    repl.set_evictable(f, True)
                 m.table[bid] = f
                 m.owner[f] = bid
         m.hits, m.accesses = self._mode_counts
@@ -320,6 +322,7 @@ class AdaptiveReplacer(Replacer):
     def _forget(self, f: int) -> None:
         if self._known[f]:
             self._known[f] = 0
+            self._ids[f] = None
             self._resident -= 1
 
     def set_evictable(self, frame: int, evictable: bool) -> None:
@@ -334,6 +337,14 @@ class AdaptiveReplacer(Replacer):
         self.planner.remove(frame)
         self._lru.remove(frame)
         self._pins.discard(frame)
+        if self._shadow and self._known[frame] == 2:  # G1: the tier's hits see the removal, so must its rivals
+            bid = self._ids[frame]
+            for m in self._minis.values():
+                f = m.table.pop(bid, None)
+                if f is not None:
+                    m.owner[f] = None
+                    m.repl.remove(f)
+                    m.free.append(f)
         self._forget(frame)
 
     def num_evictable(self) -> int:
