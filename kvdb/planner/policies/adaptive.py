@@ -67,6 +67,7 @@ from typing import Any
 
 from kvdb.buffer_pool.replacer import AccessContext, Replacer
 from kvdb.planner.events import SessionBegan
+from kvdb.planner.policies.agentplans import PINNED
 from kvdb.planner.policies.lru import LruReplacer
 from kvdb.planner.policies.planned import PlannedReplacer
 
@@ -171,7 +172,6 @@ class AdaptiveReplacer(Replacer):
         mini_n = num_frames if self._shadow else int(c * self.rate) * 2 + 16
         self._minis: dict[str, _Mini] = {}
         self._mode_counts = [0, 0]  # at rate 1: the tier's hits and accesses, for the ordering in force
-        self._pins: set[int] = set()  # frames the tier holds pinned (a copy of it unpins them)
         # until a session declares a workflow, ``nowf`` decides exactly as ``gd``: it is made
         # then, as a copy of ``gd``'s mini cache (a trace without workflows never pays for it)
         self._nowf_later = "nowf" in candidates and "gd" in candidates
@@ -213,7 +213,7 @@ class AdaptiveReplacer(Replacer):
                 run = False
                 self._resident += 1
                 k = known[f] = 2 if ids is not None and sample_hash(ids[j]) < self._threshold else 1
-                if ids is not None:
+                if self._shadow and ids is not None:
                     self._ids[f] = ids[j]
             elif run:
                 tier_hits += 1
@@ -274,7 +274,7 @@ class AdaptiveReplacer(Replacer):
         replacer holding the same frames, none pinned, and the hits counted for it so far."""
         repl = copy.deepcopy(self._lru if self.mode == "lru" else self.planner)
         m = _Mini(repl)
-        ids = self._ids
+        ids, pinned = self._ids, self.planner._state
         m.free = []
         for f in range(repl.num_frames - 1, -1, -1):
             bid = ids[f] if self._known[f] else None
@@ -282,7 +282,7 @@ class AdaptiveReplacer(Replacer):
                 repl.remove(f)
                 m.free.append(f)
             else:
-                if f in self._pins:
+                if pinned[f] == PINNED:  # the tier's pin (planner and LRU see the same ones)
                     repl.set_evictable(f, True)
                 m.table[bid] = f
                 m.owner[f] = bid
@@ -328,15 +328,10 @@ class AdaptiveReplacer(Replacer):
     def set_evictable(self, frame: int, evictable: bool) -> None:
         self.planner.set_evictable(frame, evictable)
         self._lru.set_evictable(frame, evictable)
-        if evictable:
-            self._pins.discard(frame)
-        else:
-            self._pins.add(frame)
 
     def remove(self, frame: int) -> None:
         self.planner.remove(frame)
         self._lru.remove(frame)
-        self._pins.discard(frame)
         if self._shadow and self._known[frame] == 2:  # G1: the tier's hits see the removal, so must its rivals
             bid = self._ids[frame]
             for m in self._minis.values():
