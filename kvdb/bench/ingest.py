@@ -11,7 +11,16 @@ baseline from the same run.
 * ``ingest_us_per_block``   process CPU time (every thread: the flusher's too) per block of the
                             ingest; ``raw_write_us_per_block`` the same for the baseline, and
                             ``ingest_cpu_beyond_raw_us`` their difference: the store's CPU per
-                            block beyond writing the bytes (goal <= 5 us).
+                            block beyond writing the bytes (goal <= 5 us);
+* ``index_us_per_block``    the floor the per-block index puts under that CPU, measured beside
+                            it: what RocksDB alone takes, through rocksdict with the store's own
+                            options, for the index work one fresh block costs -- one multi-get
+                            of its absent key (the old-location lookup) and one 48-byte entry in
+                            a write batch -- in batches of the same size into a new index;
+                            ``goal_budget_us_per_block`` is what the goal leaves for all of the
+                            store's work per block: the baseline's wall time per block x
+                            (1 / goal - 1). Where the floor is above the budget, that goal
+                            cannot be met with one RocksDB entry per block on this machine.
 
 The open figures are kvdb/bench/reopen.py's.
 
@@ -32,6 +41,8 @@ import rocksdict
 import torch
 
 import kvdb
+from kvdb.cold.index import index_options
+from kvdb.format import index_value as iv
 from kvdb.format.layout import BlockLayout
 
 #: 4 KiB pages (bf16: 2 layers x k/v x 8 tokens x 1 head x 64) and 64 KiB pages (kvdb/bench/scale.py's)
@@ -57,6 +68,25 @@ def _store_side(path: str, lay: BlockLayout, keys: list[bytes], blocks: torch.Te
         wall, cpu = time.perf_counter() - t0, time.process_time() - c0
         assert db.stats()["tiers"]["disk"]["pages"] == len(keys)
     return wall, cpu
+
+
+def _index_side(path: str, keys: list[bytes], batch: int) -> float:
+    """Wall s of RocksDB's share of indexing ``keys`` as fresh blocks, ``batch`` at a time: the
+    multi-get of their (absent) old entries, then a write batch of one 48-byte entry each."""
+    value = bytes(iv.ENTRY_BYTES)
+    rd = rocksdict.Rdict(path, index_options())
+    try:
+        t0 = time.perf_counter()
+        for b in range(0, len(keys), batch):
+            ikeys = [iv.block_key(k) for k in keys[b : b + batch]]
+            rd.get(ikeys)
+            wb = rocksdict.WriteBatch(raw_mode=True)
+            for k in ikeys:
+                wb.put(k, value)
+            rd.write(wb)
+        return time.perf_counter() - t0
+    finally:
+        rd.close()
 
 
 def _raw_side(path: str, src: np.ndarray, batches: int, sync_every_s: float) -> tuple[float, float]:
@@ -101,7 +131,7 @@ def bench_ingest(root: str, *, ingest_mib: int = 128, batch_mib: int = 32, repea
         blocks = torch.randint(-(1 << 15), 1 << 15, (batch, *lay.block_shape), dtype=torch.int16, generator=g).view(lay.dtype)
         src = blocks.view(torch.uint8).reshape(batch, page).numpy()
         keys = _keys(n, 2)
-        store, raw = [], []
+        store, raw, index = [], [], []
         for r in range(repeats):
             for side in ((0, 1) if r % 2 == 0 else (1, 0)):
                 path = os.path.join(root, f"ingest-{page}-{r}-{side}")
@@ -115,6 +145,11 @@ def bench_ingest(root: str, *, ingest_mib: int = 128, batch_mib: int = 32, repea
                         shutil.rmtree(path, ignore_errors=True)
                     elif os.path.exists(path):
                         os.remove(path)
+            path = os.path.join(root, f"index-{page}-{r}")
+            try:
+                index.append(_index_side(path, keys, batch))
+            finally:
+                shutil.rmtree(path, ignore_errors=True)
             if tick is not None:
                 tick()
         gb = n * page / 1e9
@@ -131,6 +166,9 @@ def bench_ingest(root: str, *, ingest_mib: int = 128, batch_mib: int = 32, repea
             "raw_write_gbps_runs": [round(gb / w, 3) for w, _c in raw],
             "ingest_us_per_block": round(us, 2), "raw_write_us_per_block": round(raw_us, 2),
             "ingest_cpu_beyond_raw_us": round(us - raw_us, 2),
+            "index_us_per_block": round(statistics.median(index) / n * 1e6, 2),
+            "goal_budget_us_per_block": round(statistics.median(w for w, _c in raw) / n * 1e6
+                                              * (1 / INGEST_GOALS[page] - 1), 2),
         }
         met = met and ingest >= INGEST_GOALS[page] * raw_gbps and us - raw_us <= 5.0
     out["ingest_goals"] = {"ingest_vs_raw_min_4k": INGEST_GOALS[4096], "ingest_vs_raw_min_64k": INGEST_GOALS[65536],
