@@ -134,3 +134,15 @@ def held_by_another_process(path):
         proc.stdin.write("\n")
         proc.stdin.flush()
         assert proc.wait(timeout=120) == 0
+
+
+def load_tool(name: str):
+    """A script of tools/ (``name`` without .py) imported as a module, for tests that drive it."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "tools" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod

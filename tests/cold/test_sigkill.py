@@ -6,24 +6,13 @@ the same driver for 1000+ kills."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
-
-TOOL = Path(__file__).resolve().parents[2] / "tools" / "soak_sigkill.py"
-
-
-def load_tool():
-    spec = importlib.util.spec_from_file_location("soak_sigkill", TOOL)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from helpers import load_tool
 
 
 @pytest.mark.slow
 def test_twenty_sigkills_lose_no_acknowledged_block(tmp_path):
-    soak = load_tool()
+    soak = load_tool("soak_sigkill")
     res = soak.run_soak(str(tmp_path), kills=20, seed=7, min_s=0.02, max_s=0.12)
     assert res["problems"] == []
     assert res["kills"] == 20
