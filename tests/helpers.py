@@ -1,6 +1,6 @@
-"""Set-up shared by the tests outside tests/cold/ (which has cold_fixtures.py): the small layout
-most Db tests use, block factories, an injected clock, a Db sized in pages, tiers by name, one
-agent's LLM call, the online policies and the hits of a replay.
+"""Set-up shared by the tests (tests/cold/ also has cold_fixtures.py): the small layout most Db
+tests use, block factories, an injected clock, a Db sized in pages, tiers by name, one agent's
+LLM call, the online policies, the hits of a replay, and the scripts of tools/ as modules.
 
 Imported by name (``from helpers import LAYOUT, open_db``): tests/ holds the root conftest.py,
 so pytest puts it on sys.path for every test, packages (replication/, integrations/) included.

@@ -8,7 +8,7 @@ Generates one trace per workload variant and seed with ``kvdb gen``'s generator
 (tools/workflows/agents.json plus the variant's options, the same as the CLI flags named in
 VARIANTS), replays ``lru``, ``kvdb`` and ``belady`` at each capacity fraction, and prints per
 variant and fraction the smallest margin of ``kvdb`` over LRU and the mean and smallest gap
-closure g = (kvdb - lru) / (belady - lru). Exits 1 when a cell is below LRU - 0.005.
+closure g = (kvdb - lru) / (belady - lru). Exits 1 when a cell is below LRU - 0.005, 2 on bad arguments.
 
 Use seeds no one has tuned on (docs/planner.md lists the ones used in development): the point is
 workloads the policy has not seen.
@@ -21,6 +21,7 @@ import json
 import sys
 from pathlib import Path
 
+from kvdb.errors import KvdbError
 from kvdb.sim.generator import generate, load_params
 from kvdb.sim.replay import capacity_for, gap_closure, replay
 from kvdb.sim.trace import parse_trace
@@ -42,10 +43,14 @@ VARIANTS: dict[str, tuple[dict, str | None, bool]] = {
 
 
 def seed_list(text: str) -> list[int]:
+    """"1001-1003,1010" -> [1001, 1002, 1003, 1010]; ValueError for a range that names no seed."""
     out: list[int] = []
     for part in text.split(","):
         lo, _, hi = part.partition("-")
-        out.extend(range(int(lo), int(hi or lo) + 1))
+        a, b = int(lo), int(hi or lo)
+        if b < a:
+            raise ValueError(f"seed range {part!r} is empty")
+        out.extend(range(a, b + 1))
     return out
 
 
@@ -68,8 +73,7 @@ def sweep(variants: list[str], seeds: list[int], fractions: list[float], session
                 cap = capacity_for(tr, fr)
                 h = {p: replay(tr, policy if p == "kvdb" else p, cap).block_hit_ratio for p in ("lru", "kvdb", "belady")}
                 g = gap_closure(h["kvdb"], h["lru"], h["belady"])
-                cell = {"variant": v, "seed": seed, "fraction": fr, "capacity": cap,
-                        **{p: round(x, 4) for p, x in h.items()}, "g": None if g is None else round(g, 3)}
+                cell = {"variant": v, "seed": seed, "fraction": fr, "capacity": cap, **h, "g": g}
                 cells.append(cell)
                 if on_cell is not None:
                     on_cell(cell)
@@ -78,6 +82,10 @@ def sweep(variants: list[str], seeds: list[int], fractions: list[float], session
 
 def below(cells: list[dict]) -> list[dict]:
     return [c for c in cells if c["kvdb"] < c["lru"] - BOUND]
+
+
+def rounded(cell: dict) -> dict:
+    return {k: round(v, 3 if k == "g" else 4) if isinstance(v, float) else v for k, v in cell.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -89,9 +97,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--policy", default="kvdb", help="the policy checked against LRU (default kvdb)")
     ap.add_argument("--json", action="store_true", help="one JSON line per cell instead of the summary")
     a = ap.parse_args(argv)
-    fractions = [float(f) for f in a.fractions.split(",")]
-    cells = sweep(a.variants.split(","), seed_list(a.seeds), fractions, a.sessions, a.policy,
-                  (lambda c: print(json.dumps(c), flush=True)) if a.json else None)
+    variants = a.variants.split(",")
+    try:
+        fractions = [float(f) for f in a.fractions.split(",")]
+        seeds = seed_list(a.seeds)
+    except ValueError as e:
+        ap.error(str(e))
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown or not seeds:
+        ap.error(f"unknown variants {unknown} (known: {', '.join(VARIANTS)})" if unknown else "no seeds")
+    try:
+        cells = sweep(variants, seeds, fractions, a.sessions, a.policy,
+                      (lambda c: print(json.dumps(rounded(c)), flush=True)) if a.json else None)
+    except KvdbError as e:  # a fraction under one block, an unknown policy: said, not a traceback
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     bad = below(cells)
     if not a.json:
         print(f"{'variant':14s} {'fraction':>8s} {'cells':>5s} {'min kvdb-lru':>12s} {'mean g':>7s} {'min g':>6s}")
@@ -104,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{v:14s} {fr:8g} {len(cs):5d} {min(c['kvdb'] - c['lru'] for c in cs):+12.4f} {mean_g} {min_g}")
         print(f"{len(cells)} cells, {len(bad)} below LRU - {BOUND}")
     for c in bad:
-        print(f"BELOW: {c}", file=sys.stderr)
+        print(f"BELOW: {rounded(c)}", file=sys.stderr)
     return 1 if bad else 0
 
 

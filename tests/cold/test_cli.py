@@ -91,7 +91,8 @@ def test_bench_scale_json_reports_ingest_and_open_figures_next_to_their_baseline
     for size in ("4k", "64k"):
         ing = res[f"ingest_{size}"]
         for k in ("ingest_gbps", "raw_write_gbps", "ingest_vs_raw", "ingest_us_per_block", "raw_write_us_per_block",
-                  "ingest_cpu_beyond_raw_us", "index_us_per_block", "goal_budget_us_per_block"):
+                  "ingest_cpu_beyond_raw_us", "index_us_per_block", "index_lookup_us_per_block",
+                  "goal_budget_us_per_block"):
             assert k in ing, k
         assert ing["blocks"] * ing["page_bytes"] >= 1 << 20
     assert {"open_10k_s", "rocksdb_open_10k_s", "open_1m_s", "rocksdb_open_1m_s", "open_py_bytes_per_block",

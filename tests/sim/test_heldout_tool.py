@@ -27,6 +27,13 @@ def test_a_policy_below_lru_fails_the_check():
                       "--policy", "lfu"]) == 1
 
 
-def test_seed_ranges():
+def test_seed_ranges_and_bad_arguments_exit_2_without_a_traceback(capsys):
     tool = load_tool("heldout_sweep")
     assert tool.seed_list("1001-1003,1010") == [1001, 1002, 1003, 1010]
+    for bad in (["--seeds", "1006-1001"], ["--variants", "nope"], ["--fractions", "0.0000001", "--seeds", "1"]):
+        try:
+            code = tool.main([*bad, "--sessions", "4"])
+        except SystemExit as e:  # argparse's usage error
+            code = e.code
+        assert code == 2, bad
+        assert "Traceback" not in capsys.readouterr().err
