@@ -22,9 +22,8 @@ import sys
 from pathlib import Path
 
 from kvdb.errors import KvdbError
-from kvdb.sim.generator import generate, load_params
+from kvdb.sim.generator import generate_trace, load_params
 from kvdb.sim.replay import capacity_for, gap_closure, replay
-from kvdb.sim.trace import parse_trace
 
 REPO = Path(__file__).resolve().parents[1]
 BOUND = 0.005  # the tolerance below LRU
@@ -58,8 +57,7 @@ def variant_trace(name: str, seed: int, sessions: int | None = None):
     overrides, shape, workflows = VARIANTS[name]
     p = load_params(str(REPO / "tools" / "workflows" / "agents.json"), shape=shape, seed=seed, sessions=sessions,
                     **overrides)
-    lines = [x for x in generate(p) if workflows or x.get("type") != "workflow"]
-    return parse_trace("\n".join(json.dumps(x) for x in lines), source=f"{name}-{seed}")
+    return generate_trace(p, workflows, f"{name}-{seed}")
 
 
 def sweep(variants: list[str], seeds: list[int], fractions: list[float], sessions: int | None = None,

@@ -14,10 +14,10 @@ import json
 import time
 from pathlib import Path
 
-from kvdb.sim.generator import generate, load_params
+from kvdb.sim.generator import generate_trace, load_params
 from kvdb.sim.replay import capacity_for, gap_closure, replay
 from kvdb.sim.timed import timed_replay
-from kvdb.sim.trace import parse_trace, read_trace
+from kvdb.sim.trace import read_trace
 
 REPO = Path(__file__).resolve().parents[1]
 FRACTIONS = (0.005, 0.01, 0.02, 0.05)
@@ -25,9 +25,7 @@ POLICIES = ("lru", "arc", "kvflow", "tokencake", "belady", "kvdb")
 
 
 def agent_trace(workflows: bool = True, **kw):
-    p = load_params(str(REPO / "tools" / "workflows" / "agents.json"), **kw)
-    lines = [x for x in generate(p) if workflows or x.get("type") != "workflow"]
-    return parse_trace("\n".join(json.dumps(x) for x in lines), source="agents")
+    return generate_trace(load_params(str(REPO / "tools" / "workflows" / "agents.json"), **kw), workflows, "agents")
 
 
 def main() -> None:

@@ -13,9 +13,10 @@ baseline from the same run.
                             ``ingest_cpu_beyond_raw_us`` their difference: the store's CPU per
                             block beyond writing the bytes (goal <= 5 us);
 * ``index_us_per_block``    what one RocksDB entry per block costs by itself, measured beside
-                            it: the index work one fresh block takes through rocksdict with the
-                            store's own options and its Python step per key -- the multi-get
-                            of its absent key (the old-location lookup, in the caller's thread:
+                            it: the index work one fresh block takes through the store's own
+                            Index (kvdb/cold/index.py: rocksdict, its options, its Python step
+                            per key) -- the multi-get of its absent key (the old-location
+                            lookup, in the caller's thread:
                             ``index_lookup_us_per_block``) and one 48-byte entry in a write
                             batch (the flusher's thread) -- in put-sized batches into a new
                             index (the store's apply batches are whatever became durable since
@@ -39,11 +40,10 @@ import threading
 import time
 
 import numpy as np
-import rocksdict
 import torch
 
 import kvdb
-from kvdb.cold.index import index_options
+from kvdb.cold.index import Index
 from kvdb.format import index_value as iv
 from kvdb.format.layout import BlockLayout
 
@@ -74,26 +74,23 @@ def _store_side(path: str, lay: BlockLayout, keys: list[bytes], blocks: torch.Te
 
 def _index_side(path: str, keys: list[bytes], batch: int) -> tuple[float, float]:
     """(wall s of the lookups, wall s of the writes) of indexing ``keys`` as fresh blocks,
-    ``batch`` at a time, through rocksdict as the store does it (its Python step per key
-    included): the multi-get of their (absent) old entries, and a write batch of one 48-byte
-    entry each."""
+    ``batch`` at a time, in a new index through the store's own Index (kvdb/cold/index.py): the
+    multi-get of their (absent) old entries (``get_values``) and a write batch of one 48-byte
+    entry each (``write``)."""
     value = bytes(iv.ENTRY_BYTES)
-    rd = rocksdict.Rdict(path, index_options())
+    index = Index(path)
     looked = wrote = 0.0
     try:
         for b in range(0, len(keys), batch):
-            ikeys = [iv.block_key(k) for k in keys[b : b + batch]]
+            part = keys[b : b + batch]
             t0 = time.perf_counter()
-            rd.get(ikeys)
+            index.get_values(part)
             t1 = time.perf_counter()
-            wb = rocksdict.WriteBatch(raw_mode=True)
-            for k in ikeys:
-                wb.put(k, value)
-            rd.write(wb)
+            index.write([(iv.block_key(k), value) for k in part])
             looked, wrote = looked + t1 - t0, wrote + time.perf_counter() - t1
         return looked, wrote
     finally:
-        rd.close()
+        index.close()
 
 
 def _raw_side(path: str, src: np.ndarray, batches: int, sync_every_s: float) -> tuple[float, float]:

@@ -4,7 +4,7 @@ Layout of keys and values: kvdb/format/index_value.py. The index is rebuilt from
 recovery, so RocksDB's own WAL is off (``disable_wal``): a crash may lose the newest index
 writes, never the log records they came from.
 
-Every open uses the very same ``Options(raw_mode=True)``, built in one place (``index_options``):
+Every open uses the very same ``Options(raw_mode=True)``, built in one place (``_options``):
 rocksdict records the options of an open in ``rocksdict-config.json`` beside the DB and reads
 them back, and only this one set is tested here. No column families (their handles keep the DB
 lock after close). Values are small (48-byte entries): no blob files.
@@ -42,7 +42,7 @@ from kvdb.format.index_value import (
 )
 
 
-def index_options() -> rocksdict.Options:
+def _options() -> rocksdict.Options:
     opts = rocksdict.Options(raw_mode=True)
     opts.create_if_missing(True)
     # Bloom filters over whole keys, in the SST files (10 bits a key, ~1.2 bytes a block on
@@ -103,7 +103,7 @@ class Index:
                                            access_type=rocksdict.AccessType.read_only())
                 self._closed = False
                 return
-            self._db = rocksdict.Rdict(path, index_options())
+            self._db = rocksdict.Rdict(path, _options())
         except Exception as e:  # rocksdict raises plain Exception subclasses
             self._drop_view()
             raise map_error(e, f"opening the index at {path}") from None

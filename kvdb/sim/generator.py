@@ -325,11 +325,28 @@ def _events(params: dict[str, Any]) -> list[tuple[int, int, dict[str, Any]]]:
     return events
 
 
+_ENCODE = json.JSONEncoder(separators=(",", ":")).encode  # json.dumps(line, separators=...), one encoder
+
+
+def trace_lines(params: dict[str, Any], workflows: bool = True) -> Iterator[str]:
+    """The trace's JSON lines (no newlines); ``workflows=False`` leaves the workflow lines out
+    (the same calls and hints with no declared DAG)."""
+    for line in generate(params):
+        if workflows or line.get("type") != "workflow":
+            yield _ENCODE(line)
+
+
+def generate_trace(params: dict[str, Any], workflows: bool = True, source: str = "generated"):
+    """The trace parsed in memory (kvdb/sim/trace.py ``Trace``), without a file."""
+    from kvdb.sim.trace import parse_trace
+
+    return parse_trace("\n".join(trace_lines(params, workflows)), source=source)
+
+
 def write_trace(params: dict[str, Any], path: str) -> int:
-    encode = json.JSONEncoder(separators=(",", ":")).encode  # json.dumps(line, separators=...), one encoder
     n = 0
     with open(path, "w", encoding="utf-8") as f:
-        for line in generate(params):
-            f.write(encode(line) + "\n")
+        for line in trace_lines(params):
+            f.write(line + "\n")
             n += 1
     return n

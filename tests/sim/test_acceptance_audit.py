@@ -21,7 +21,7 @@ from kvdb.cli.main import cli
 from kvdb.errors import InvalidInput
 from kvdb.planner.cost import DEFAULT_COST
 from kvdb.planner.policies import POLICIES
-from kvdb.sim.generator import generate, load_params
+from kvdb.sim.generator import load_params, trace_lines
 from kvdb.sim.replay import capacity_for, replay
 from kvdb.sim.timed import timed_replay
 from kvdb.sim.trace import parse_trace
@@ -39,7 +39,7 @@ VARIANTS = {  # generator overrides, keep the workflow lines
 def _lines(variant: str, sessions: int = 12) -> list[str]:
     kw, workflows = VARIANTS[variant]
     p = load_params(None, sessions=sessions, **kw)
-    return [json.dumps(x) for x in generate(p) if workflows or x.get("type") != "workflow"]
+    return list(trace_lines(p, workflows))
 
 
 def _hits(lines: list[str], policy: str, cap: int) -> list[int]:

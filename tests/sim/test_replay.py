@@ -9,7 +9,7 @@ import pytest
 from helpers import ONLINE, replay_hits
 
 from kvdb.errors import InvalidInput
-from kvdb.sim.generator import generate, load_params
+from kvdb.sim.generator import load_params, trace_lines
 from kvdb.sim.replay import capacity_for, gap_closure, replay
 from kvdb.sim.trace import parse_trace
 
@@ -62,7 +62,7 @@ def test_capacity_fraction_matches_reference_capacities(conversation):
 
 def _agent_trace(workflows=True, **kw):
     p = load_params(None, sessions=12, **kw)
-    return [json.dumps(x) for x in generate(p) if workflows or x.get("type") != "workflow"]
+    return list(trace_lines(p, workflows))
 
 
 @pytest.mark.parametrize("policy, workflows", [(p, True) for p in ONLINE] + [("kvdb", False)])
@@ -126,7 +126,7 @@ def test_timed_replay_kvdb_beats_kvflow_and_tokencake():
     """T1-T5 on a 24-session agent trace with hints: mean / p99 TTFT and mean JCT, 1 % and 5 %."""
     from kvdb.sim.timed import timed_replay
 
-    t = parse_trace("\n".join(json.dumps(x) for x in generate(load_params(None, sessions=24))))
+    t = parse_trace("\n".join(trace_lines(load_params(None, sessions=24))))
     for f in (0.01, 0.05):
         d = capacity_for(t, f)
         res = {p: timed_replay(t, p, d, 4 * d) for p in ("kvflow", "tokencake", "kvdb")}

@@ -106,14 +106,25 @@ class _Mini:
         self.accesses = 0
         self.planned = isinstance(repl, PlannedReplacer)
 
+    def _release(self, f: int) -> None:
+        """Frame ``f`` holds no block any more (its replacer already let it go)."""
+        del self.table[self.owner[f]]
+        self.owner[f] = None
+        self.free.append(f)
+
     def _evict_one(self) -> bool:
         f = self.repl.evict()
         if f is None:
             return False
-        del self.table[self.owner[f]]
-        self.owner[f] = None
-        self.free.append(f)
+        self._release(f)
         return True
+
+    def drop(self, bid: Hashable) -> None:
+        """Forget block ``bid`` if this mini holds it (the tier removed it)."""
+        f = self.table.get(bid)
+        if f is not None:
+            self.repl.remove(f)
+            self._release(f)
 
     def trim(self, cap: int) -> None:
         while len(self.table) > cap and self._evict_one():
@@ -335,11 +346,7 @@ class AdaptiveReplacer(Replacer):
         if self._shadow and self._known[frame] == 2:  # G1: the tier's hits see the removal, so must its rivals
             bid = self._ids[frame]
             for m in self._minis.values():
-                f = m.table.pop(bid, None)
-                if f is not None:
-                    m.owner[f] = None
-                    m.repl.remove(f)
-                    m.free.append(f)
+                m.drop(bid)
         self._forget(frame)
 
     def num_evictable(self) -> int:
@@ -361,7 +368,7 @@ class AdaptiveReplacer(Replacer):
         """(hits, accesses) per candidate: its mini's, or the tier's for the ordering it plays (G1)."""
         out = {c: (m.hits, m.accesses) for c, m in self._minis.items()}
         if self._shadow:
-            out[self.mode] = (self._mode_counts[0], self._mode_counts[1])
+            out[self.mode] = tuple(self._mode_counts)
         return {c: out[c] for c in CANDIDATES if c in out}
 
     def predicted_return(self, session_id: str) -> float | None:
