@@ -66,6 +66,58 @@ def _runs(entries) -> list[tuple[int, int, int, int]]:
     return [tuple(r) for r in runs]  # type: ignore[misc]
 
 
+def write_store(path: str, n: int, batch_pages: int):
+    """A store at ``path`` of ``n`` 64 KiB pages (``batch_pages`` random pages written over and
+    over, to the disk tier, ``durability="group"``), as the read figures read it. Returns (keys,
+    the pages, the log directory, {segment: path}, the ``_runs`` of each batch of keys)."""
+    lay = PAGE64K
+    keys = _keys(n, 1)
+    g = torch.Generator().manual_seed(0)
+    blocks = torch.randint(-(1 << 15), 1 << 15, (batch_pages, *lay.block_shape), dtype=torch.int16,
+                           generator=g).view(lay.dtype)
+    with _open(path, 16) as db:
+        for b in range(0, n, batch_pages):
+            db.put_blocks(keys[b : b + batch_pages], blocks, tier="disk", durability="group")
+        db.flush()
+        cold = db._cold
+        wal_dir = cold.wal_dir
+        entries = cold.lookup(keys)
+        segs = {e.segment_no: cold.reader.segments.path(e.segment_no) for e in entries}
+    return keys, blocks, wal_dir, segs, [_runs(entries[b : b + batch_pages]) for b in range(0, n, batch_pages)]
+
+
+def raw_read(segs: dict[int, str], batches: list, buf: np.ndarray) -> float:
+    """Seconds to ``preadv`` every run of ``batches`` (``_runs`` per batch) into ``buf``, one
+    call a run: the read figures' baseline (``raw_read_gbps``)."""
+    fds = {s: os.open(p, os.O_RDONLY) for s, p in segs.items()}
+    try:
+        t0 = time.perf_counter()
+        for runs in batches:
+            at = 0
+            for seg, off, nbytes, _recs in runs:
+                got = os.preadv(fds[seg], [memoryview(buf)[at : at + nbytes]], off)
+                assert got == nbytes
+                at += nbytes
+        return time.perf_counter() - t0
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+
+
+def store_read(path: str, keys: list[bytes], out: torch.Tensor, wal_dir: str) -> float:
+    """Seconds for ``Db.get_blocks`` of every key, ``len(out)`` a call, into ``out`` from a fresh
+    Db (host room for two batches: each is promoted), page cache dropped after its warm-up
+    (``read_gbps``)."""
+    batch = out.shape[0]
+    with _open(path, 2 * batch) as db:
+        db.get_blocks(keys[:1], out[:1])  # warm-up: fds, threads
+        _drop_dir(wal_dir)
+        t0 = time.perf_counter()
+        for b in range(0, len(keys), batch):
+            db.get_blocks(keys[b : b + batch], out)
+        return time.perf_counter() - t0
+
+
 def bench_scale(*, total_mib: int = 256, batch_pages: int = 256, get1_blocks: int = 256, repeats: int = 3,
                 ingest_mib: int = 128, open_blocks: int = 10_000, open_large_blocks: int = 1_000_000,
                 dir_path: str | None = None, progress=None) -> dict:
@@ -84,19 +136,7 @@ def bench_scale(*, total_mib: int = 256, batch_pages: int = 256, get1_blocks: in
 
     try:
         path = os.path.join(root, "db")
-        keys = _keys(n, 1)
-        g = torch.Generator().manual_seed(0)
-        blocks = torch.randint(-(1 << 15), 1 << 15, (batch_pages, *lay.block_shape), dtype=torch.int16,
-                               generator=g).view(lay.dtype)
-        with _open(path, 16) as db:
-            for b in range(0, n, batch_pages):
-                db.put_blocks(keys[b : b + batch_pages], blocks, tier="disk", durability="group")
-            db.flush()
-            cold = db._cold
-            wal_dir = cold.wal_dir
-            entries = cold.lookup(keys)
-            segs = {e.segment_no: cold.reader.segments.path(e.segment_no) for e in entries}
-        batches = [_runs(entries[b : b + batch_pages]) for b in range(0, n, batch_pages)]
+        keys, blocks, wal_dir, segs, batches = write_store(path, n, batch_pages)
         # one file per block for the get1 baseline: the same bytes, fsynced
         files_dir = os.path.join(root, "files")
         os.makedirs(files_dir)
@@ -113,29 +153,11 @@ def bench_scale(*, total_mib: int = 256, batch_pages: int = 256, get1_blocks: in
         raw_buf = np.empty(batch_pages * (page + 4096), dtype=np.uint8)
         for r in range(repeats):
             for side in ((0, 1) if r % 2 == 0 else (1, 0)):
+                _drop_dir(wal_dir)
                 if side == 0:  # baseline: preadv of the same extents
-                    _drop_dir(wal_dir)
-                    fds = {s: os.open(p, os.O_RDONLY) for s, p in segs.items()}
-                    try:
-                        t0 = time.perf_counter()
-                        for runs in batches:
-                            at = 0
-                            for seg, off, nbytes, _recs in runs:
-                                got = os.preadv(fds[seg], [memoryview(raw_buf)[at : at + nbytes]], off)
-                                assert got == nbytes
-                                at += nbytes
-                        raw_s.append(time.perf_counter() - t0)
-                    finally:
-                        for fd in fds.values():
-                            os.close(fd)
+                    raw_s.append(raw_read(segs, batches, raw_buf))
                 else:  # the Db, fresh: nothing in memory
-                    with _open(path, 2 * batch_pages) as db:  # room to promote a batch
-                        db.get_blocks(keys[:1], out[:1])  # warm-up: fds, threads
-                        _drop_dir(wal_dir)
-                        t0 = time.perf_counter()
-                        for b in range(0, n, batch_pages):
-                            db.get_blocks(keys[b : b + batch_pages], out)
-                        read_s.append(time.perf_counter() - t0)
+                    read_s.append(store_read(path, keys, out, wal_dir))
                     assert torch.equal(out.view(torch.uint8).reshape(batch_pages, page)[0], torch.from_numpy(src[0]))
             tick()
             for side in ((0, 1) if r % 2 == 0 else (1, 0)):

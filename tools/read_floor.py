@@ -1,0 +1,185 @@
+"""The floor of a batch read from the disk tier: the least Python the same steps need, timed
+against the store and against ``preadv`` of the same extents (issue 12, item 3 / ``read_gbps``).
+
+    .venv/bin/python tools/read_floor.py [--mib 256] [--rounds 8] [--json]
+
+Writes a store of 64 KiB pages as ``kvdb bench scale`` does (kvdb/bench/scale.py), then, page
+cache dropped before each, reads it all back in batches of 256 pages, one round after another,
+each round's variants in alternating order:
+
+* ``raw``       ``preadv`` of the same record extents into one buffer (the bench's baseline);
+* ``store``     ``Db.get_blocks`` (the bench's ``read_gbps``: lookup, checks, promotion);
+* ``floor``     the same steps with no layer between them: one multi-get of the index, the
+                entries viewed as a numpy array, each run read in slices of READ_SLICE_BYTES
+                by one reader thread (head and page iovecs, straight into ``out``'s rows),
+                each slice's header fields compared at once and its CRC-32C taken per record
+                as soon as it is read, then its pages copied into host frames (the promotion);
+* ``floor_nocopy``, ``floor_nocheck``, ``floor_bare``: the floor without the promotion's copy,
+                without the checks, without either;
+* ``whole``     the floor's steps without overlap: each run read by one ``preadv`` in the calling
+                thread, then checked and copied.
+
+Prints per variant the median GB/s and the median of its per-round ratio to ``raw``. Where the
+store sits near ``floor``, what is left between it and ``raw`` is the work itself (the checks,
+the promotion's copy), not the store's code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+import numpy as np
+import torch
+
+from kvdb import native
+from kvdb.bench.ingest import PAGE64K
+from kvdb.bench.scale import _drop_dir, _open, raw_read, store_read, write_store
+from kvdb.cold.read import READ_SLICE_BYTES
+from kvdb.format.index_value import ENTRY_BYTES
+from kvdb.format.record import PUT_HEAD_DTYPE, PUT_PAYLOAD_OFFSET, RecordType
+
+BATCH = 256
+#: an index entry's bytes as a numpy record (kvdb/format/index_value.py ``_ENTRY_FIELDS``)
+ENTRY_DTYPE = np.dtype([("segment_no", "<u4"), ("offset", "<u8"), ("record_bytes", "<u4"), ("crc", "<u4"),
+                        ("lsn", "<u8"), ("position", "<i8"), ("namespace_id", "<u4"), ("codec", "u1"),
+                        ("flags", "u1"), ("reserved", "<u2"), ("raw_bytes", "<u4")])
+assert ENTRY_DTYPE.itemsize == ENTRY_BYTES
+FLOORS = {"floor": (True, True, True), "floor_nocopy": (True, False, True), "floor_nocheck": (False, True, True),
+          "floor_bare": (False, False, True), "whole": (True, True, False)}
+
+
+class _Done:
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+    def result(self) -> int:
+        return self.value
+
+
+class Store:
+    """A store of ``n`` pages written as the bench writes it, and what each variant reads with."""
+
+    def __init__(self, root: str, mib: int) -> None:
+        self.page = PAGE64K.page_bytes
+        self.n = max(BATCH, (mib << 20) // self.page // BATCH * BATCH)
+        self.path = os.path.join(root, "db")
+        self.keys, blocks, self.wal_dir, self.segs, self.batches = write_store(self.path, self.n, BATCH)
+        self.want = PUT_PAYLOAD_OFFSET + self.page
+        self.raw_buf = np.empty(BATCH * (self.page + 4096), dtype=np.uint8)
+        self.out = np.empty((BATCH, self.page), dtype=np.uint8)
+        self.heads = np.empty((BATCH, PUT_PAYLOAD_OFFSET), dtype=np.uint8)
+        self.host = np.ones((2 * BATCH, self.page), dtype=np.uint8)  # room for two batches, touched
+        self.expect = blocks.view(torch.uint8).reshape(BATCH, self.page).numpy()
+
+    def raw(self) -> float:
+        return raw_read(self.segs, self.batches, self.raw_buf)
+
+    def store(self) -> float:
+        out = torch.from_numpy(self.out).view(PAGE64K.dtype).reshape(BATCH, *PAGE64K.block_shape)
+        t = store_read(self.path, self.keys, out, self.wal_dir)
+        assert np.array_equal(self.out, self.expect)
+        return t
+
+    def floor(self, check: bool, copy: bool, sliced: bool, pool) -> float:
+        want, out, heads, host = self.want, self.out, self.heads, self.host
+        per = max(1, READ_SLICE_BYTES // want) if sliced else BATCH
+        with _open(self.path, 16) as db:
+            index = db._cold.index
+            fds = {s: os.open(p, os.O_RDONLY) for s, p in self.segs.items()}
+            _drop_dir(self.wal_dir)
+            try:
+                t0 = time.perf_counter()
+                for b in range(0, self.n, BATCH):
+                    keys = self.keys[b : b + BATCH]
+                    e = np.frombuffer(b"".join(index.get_values(keys)), dtype=ENTRY_DTYPE)
+                    seg, off = e["segment_no"].astype(np.int64), e["offset"].astype(np.int64)
+                    cut = (np.flatnonzero((np.diff(seg) != 0) | (np.diff(off) != want)) + 1).tolist()
+                    jobs = []
+                    for r0, r1 in zip([0, *cut], [*cut, BATCH]):  # runs of back-to-back records
+                        for a in range(r0, r1, per):
+                            z = min(r1, a + per)
+                            bufs = [x for j in range(a, z) for x in (heads[j], out[j])]
+                            args = (fds[int(seg[r0])], bufs, int(off[r0]) + (a - r0) * want)
+                            fut = pool.submit(os.preadv, *args) if sliced else _Done(os.preadv(*args))
+                            jobs.append((a, z, fut))
+                    frame = (b // BATCH) % 2 * BATCH
+                    for a, z, fut in jobs:
+                        if fut.result() != (z - a) * want:
+                            raise OSError("short read")
+                        if check:
+                            h = heads[a:z].view(PUT_HEAD_DTYPE).reshape(z - a)
+                            good = (h["crc"] == e["crc"][a:z]) & (h["lsn"] == e["lsn"][a:z]) \
+                                & (h["type"] == RecordType.PUT_BLOCK) \
+                                & (h["key"] == np.frombuffer(b"".join(keys[a:z]), dtype="V16"))
+                            crcs = h["crc"].tolist()
+                            for j in range(a, z):
+                                good[j - a] &= native.crc32c(out[j], native.crc32c(heads[j, 8:])) == crcs[j - a]
+                            if not good.all():
+                                raise AssertionError("a record failed its checks")
+                        if copy:
+                            host[frame + a : frame + z] = out[a:z]
+                t = time.perf_counter() - t0
+            finally:
+                for fd in fds.values():
+                    os.close(fd)
+        assert np.array_equal(out, self.expect)
+        return t
+
+
+def run(mib: int = 256, rounds: int = 8, dir_path: str | None = None, progress=None) -> dict:
+    """{variant: {"gbps": median, "vs_raw": median per-round ratio, "runs": [GB/s ...]}}."""
+    root = tempfile.mkdtemp(prefix="kvdb-read-floor-", dir=dir_path)
+    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="floor-read")
+    try:
+        st = Store(root, mib)
+        gb = st.n * st.page / 1e9
+        names = ["raw", "store", *FLOORS]
+        runs: dict[str, list[float]] = {v: [] for v in names}
+        for r in range(rounds):
+            for v in names if r % 2 == 0 else names[::-1]:
+                _drop_dir(st.wal_dir)
+                if v == "raw":
+                    t = st.raw()
+                elif v == "store":
+                    t = st.store()
+                else:
+                    t = st.floor(*FLOORS[v], pool)
+                runs[v].append(gb / t)
+            if progress is not None:
+                progress(r + 1, rounds)
+    finally:
+        pool.shutdown()
+        shutil.rmtree(root, ignore_errors=True)
+    return {v: {"gbps": statistics.median(g), "vs_raw": statistics.median(a / b for a, b in zip(g, runs["raw"])),
+                "runs": g} for v, g in runs.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--mib", type=int, default=256, help="bytes of pages to read back per variant and round")
+    ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--json", action="store_true", help="one JSON object instead of the table")
+    args = ap.parse_args(argv)
+    if args.mib < 16 or args.rounds < 1:
+        print("read_floor: --mib must be at least 16 and --rounds at least 1", file=sys.stderr)
+        return 2
+    res = run(args.mib, args.rounds, progress=None if args.json else lambda i, k: print(f"round {i}/{k}", file=sys.stderr))
+    if args.json:
+        print(json.dumps(res))
+    else:
+        print(f"{'variant':<14} {'GB/s':>7} {'x raw':>7}")
+        for v, r in res.items():
+            print(f"{v:<14} {r['gbps']:>7.3f} {r['vs_raw']:>7.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
