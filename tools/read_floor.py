@@ -12,8 +12,9 @@ each round's variants in alternating order:
 * ``floor``     the same steps with no layer between them: one multi-get of the index, the
                 entries viewed as a numpy array, each run read in slices of READ_SLICE_BYTES
                 by one reader thread (head and page iovecs, straight into ``out``'s rows),
-                each slice's header fields compared at once and its CRC-32C taken per record
-                as soon as it is read, then its pages copied into host frames (the promotion);
+                each slice checked as soon as it is read by the store's own check
+                (kvdb/cold/read.py ``check_slice_fields``), then its pages copied into host
+                frames (the promotion);
 * ``floor_nocopy``, ``floor_nocheck``, ``floor_bare``: the floor without the promotion's copy,
                 without the checks, without either;
 * ``whole``     the floor's steps without overlap: each run read by one ``preadv`` in the calling
@@ -39,29 +40,21 @@ import time
 import numpy as np
 import torch
 
-from kvdb import native
 from kvdb.bench.ingest import PAGE64K
 from kvdb.bench.scale import _drop_dir, _open, raw_read, store_read, write_store
-from kvdb.cold.read import READ_SLICE_BYTES
-from kvdb.format.index_value import ENTRY_BYTES
-from kvdb.format.record import PUT_HEAD_DTYPE, PUT_PAYLOAD_OFFSET, RecordType
+from kvdb.cold.read import READ_SLICE_BYTES, check_slice_fields
+from kvdb.format.index_value import ENTRY_DTYPE
+from kvdb.format.record import PUT_PAYLOAD_OFFSET
 
 BATCH = 256
-#: an index entry's bytes as a numpy record (kvdb/format/index_value.py ``_ENTRY_FIELDS``)
-ENTRY_DTYPE = np.dtype([("segment_no", "<u4"), ("offset", "<u8"), ("record_bytes", "<u4"), ("crc", "<u4"),
-                        ("lsn", "<u8"), ("position", "<i8"), ("namespace_id", "<u4"), ("codec", "u1"),
-                        ("flags", "u1"), ("reserved", "<u2"), ("raw_bytes", "<u4")])
-assert ENTRY_DTYPE.itemsize == ENTRY_BYTES
 FLOORS = {"floor": (True, True, True), "floor_nocopy": (True, False, True), "floor_nocheck": (False, True, True),
           "floor_bare": (False, False, True), "whole": (True, True, False)}
 
 
-class _Done:
-    def __init__(self, value: int) -> None:
-        self.value = value
-
-    def result(self) -> int:
-        return self.value
+def _done(value: int) -> concurrent.futures.Future:
+    fut: concurrent.futures.Future = concurrent.futures.Future()
+    fut.set_result(value)
+    return fut
 
 
 class Store:
@@ -80,7 +73,7 @@ class Store:
         self.expect = blocks.view(torch.uint8).reshape(BATCH, self.page).numpy()
 
     def raw(self) -> float:
-        return raw_read(self.segs, self.batches, self.raw_buf)
+        return raw_read(self.segs, self.batches, self.raw_buf, self.wal_dir)
 
     def store(self) -> float:
         out = torch.from_numpy(self.out).view(PAGE64K.dtype).reshape(BATCH, *PAGE64K.block_shape)
@@ -108,22 +101,16 @@ class Store:
                             z = min(r1, a + per)
                             bufs = [x for j in range(a, z) for x in (heads[j], out[j])]
                             args = (fds[int(seg[r0])], bufs, int(off[r0]) + (a - r0) * want)
-                            fut = pool.submit(os.preadv, *args) if sliced else _Done(os.preadv(*args))
+                            fut = pool.submit(os.preadv, *args) if sliced else _done(os.preadv(*args))
                             jobs.append((a, z, fut))
                     frame = (b // BATCH) % 2 * BATCH
                     for a, z, fut in jobs:
                         if fut.result() != (z - a) * want:
                             raise OSError("short read")
-                        if check:
-                            h = heads[a:z].view(PUT_HEAD_DTYPE).reshape(z - a)
-                            good = (h["crc"] == e["crc"][a:z]) & (h["lsn"] == e["lsn"][a:z]) \
-                                & (h["type"] == RecordType.PUT_BLOCK) \
-                                & (h["key"] == np.frombuffer(b"".join(keys[a:z]), dtype="V16"))
-                            crcs = h["crc"].tolist()
-                            for j in range(a, z):
-                                good[j - a] &= native.crc32c(out[j], native.crc32c(heads[j, 8:])) == crcs[j - a]
-                            if not good.all():
-                                raise AssertionError("a record failed its checks")
+                        if check and not all(check_slice_fields(  # the store's own check (C3)
+                                keys[a:z], e["record_bytes"][a:z], e["crc"][a:z], e["lsn"][a:z], heads[a:z],
+                                [out[j] for j in range(a, z)], z - a)):
+                            raise AssertionError("a record failed its checks")
                         if copy:
                             host[frame + a : frame + z] = out[a:z]
                 t = time.perf_counter() - t0
@@ -144,8 +131,7 @@ def run(mib: int = 256, rounds: int = 8, dir_path: str | None = None, progress=N
         names = ["raw", "store", *FLOORS]
         runs: dict[str, list[float]] = {v: [] for v in names}
         for r in range(rounds):
-            for v in names if r % 2 == 0 else names[::-1]:
-                _drop_dir(st.wal_dir)
+            for v in names if r % 2 == 0 else names[::-1]:  # each drops the page cache first
                 if v == "raw":
                     t = st.raw()
                 elif v == "store":

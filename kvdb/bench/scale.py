@@ -86,9 +86,10 @@ def write_store(path: str, n: int, batch_pages: int):
     return keys, blocks, wal_dir, segs, [_runs(entries[b : b + batch_pages]) for b in range(0, n, batch_pages)]
 
 
-def raw_read(segs: dict[int, str], batches: list, buf: np.ndarray) -> float:
+def raw_read(segs: dict[int, str], batches: list, buf: np.ndarray, wal_dir: str) -> float:
     """Seconds to ``preadv`` every run of ``batches`` (``_runs`` per batch) into ``buf``, one
-    call a run: the read figures' baseline (``raw_read_gbps``)."""
+    call a run, page cache dropped first: the read figures' baseline (``raw_read_gbps``)."""
+    _drop_dir(wal_dir)
     fds = {s: os.open(p, os.O_RDONLY) for s, p in segs.items()}
     try:
         t0 = time.perf_counter()
@@ -153,9 +154,8 @@ def bench_scale(*, total_mib: int = 256, batch_pages: int = 256, get1_blocks: in
         raw_buf = np.empty(batch_pages * (page + 4096), dtype=np.uint8)
         for r in range(repeats):
             for side in ((0, 1) if r % 2 == 0 else (1, 0)):
-                _drop_dir(wal_dir)
                 if side == 0:  # baseline: preadv of the same extents
-                    raw_s.append(raw_read(segs, batches, raw_buf))
+                    raw_s.append(raw_read(segs, batches, raw_buf, wal_dir))
                 else:  # the Db, fresh: nothing in memory
                     read_s.append(store_read(path, keys, out, wal_dir))
                     assert torch.equal(out.view(torch.uint8).reshape(batch_pages, page)[0], torch.from_numpy(src[0]))

@@ -69,19 +69,29 @@ def check_slice(keys: list[bytes], entries: list, heads: np.ndarray, pages: list
     leading bytes, ``pages[j]`` the page read after head j; ``whole``: how many records the
     read returned in full (the rest are misses). The crc runs per record (native, GIL released)."""
     k = len(keys)
+    return check_slice_fields(keys, np.fromiter((e.record_bytes for e in entries), np.int64, k),
+                              np.fromiter((e.crc for e in entries), np.uint32, k),
+                              np.fromiter((e.lsn for e in entries), np.uint64, k), heads, pages, whole)
+
+
+def check_slice_fields(keys: list[bytes], record_bytes: np.ndarray, crcs: np.ndarray, lsns: np.ndarray,
+                       heads: np.ndarray, pages: list, whole: int) -> list[bool]:
+    """``check_slice`` with the index entries' fields as arrays (``record_bytes``, ``crcs``,
+    ``lsns``: one per key, as in kvdb/format/index_value.py ``ENTRY_DTYPE``)."""
+    k = len(keys)
     h = heads.view(PUT_HEAD_DTYPE).reshape(k)
-    good = (h["length"].astype(np.int64) + RECORD_HEADER_BYTES == np.fromiter((e.record_bytes for e in entries), np.int64, k)) \
-        & (h["crc"] == np.fromiter((e.crc for e in entries), np.uint32, k)) \
+    good = (h["length"].astype(np.int64) + RECORD_HEADER_BYTES == record_bytes) \
+        & (h["crc"] == crcs) \
         & (h["type"] == RecordType.PUT_BLOCK) \
-        & (h["lsn"] == np.fromiter((e.lsn for e in entries), np.uint64, k)) \
+        & (h["lsn"] == lsns) \
         & (h["key"] == np.frombuffer(b"".join(keys), dtype="V16"))
     good[whole:] = False
-    crcs = h["crc"].tolist()
+    crc_of = h["crc"].tolist()
     out = good.tolist()
     crc = native.crc32c
     for j in range(min(k, whole)):
         if out[j]:
-            out[j] = crc(pages[j], crc(heads[j, 8:])) == crcs[j]
+            out[j] = crc(pages[j], crc(heads[j, 8:])) == crc_of[j]
     return out
 
 
@@ -339,4 +349,4 @@ class BlockReader:
             self._unpin_fd(segment_no, fd)
 
 
-__all__ = ["BlockReader", "READ_SLICE_BYTES", "TAIL_SLICE_BYTES", "check_raw", "check_slice", "plan_slices"]
+__all__ = ["BlockReader", "READ_SLICE_BYTES", "TAIL_SLICE_BYTES", "check_raw", "check_slice", "check_slice_fields", "plan_slices"]
