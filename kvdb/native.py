@@ -23,10 +23,6 @@ if sys.byteorder != "little":  # token bytes and on-disk integers are little-end
 
 _lib = None
 _ffi = None
-try:
-    from crc32c import crc32c as _fast_crc
-except ImportError:  # pragma: no cover - a declared dependency; the C loop serves without it
-    _fast_crc = None
 
 if not PURE:  # KVDB_PURE_PYTHON, read once at ``import kvdb`` (kvdb/compiled.py)
     try:
@@ -61,21 +57,14 @@ def py_crc32c(data, value: int = 0) -> int:
     return crc ^ 0xFFFFFFFF
 
 
-#: buffers this long go to the ``crc32c`` package (hardware CRC-32C over three interleaved
-#: streams, GIL released: ~15 GB/s here against ~6 GB/s for the one-stream loop of
-#: kvdb_native.c, which keeps the short ones: record heads, slots)
-FAST_CRC_MIN_BYTES = 16384
-
-
 def crc32c(data, value: int = 0) -> int:
-    """CRC-32C of any buffer (bytes, memoryview, numpy array, contiguous CPU tensor bytes)."""
+    """CRC-32C of any buffer (bytes, memoryview, numpy array, contiguous CPU tensor bytes).
+    Native: three interleaved hardware streams from 768 bytes up (kvdb_native.c ``crc_hw3``),
+    the GIL released (cffi), so a reader's checks overlap its reads."""
     if _lib is None:
         return py_crc32c(data, value)
     buf = _ffi.from_buffer(data)
-    n = len(buf)
-    if n >= FAST_CRC_MIN_BYTES and _fast_crc is not None:
-        return _fast_crc(_ffi.buffer(buf, n), value, 1)  # 1: the GIL released (a reader's checks overlap)
-    return _lib.kvdb_crc32c(value, buf, n)
+    return _lib.kvdb_crc32c(value, buf, len(buf))
 
 
 def py_crc32c_rows(rows: np.ndarray, start: int, nbytes: int, init=None, then: np.ndarray | None = None) -> np.ndarray:
@@ -89,9 +78,13 @@ def py_crc32c_rows(rows: np.ndarray, start: int, nbytes: int, init=None, then: n
     return out
 
 
+def _ptr(a, t="uint8_t *"):
+    return _ffi.NULL if a is None else _ffi.cast(t, _ffi.from_buffer(a))
+
+
 def crc32c_rows(rows: np.ndarray, start: int, nbytes: int, init=None, then: np.ndarray | None = None) -> np.ndarray:
-    """``py_crc32c_rows`` with one native call per row (two with ``then``) and no Python object
-    per row (a batch of records' checksums: kvdb/format/record.py ``seal_rows``)."""
+    """``py_crc32c_rows`` in one native call for the whole batch, no Python object per row (a
+    batch of records' checksums: kvdb/format/record.py ``seal_rows``)."""
     for a in (rows, then):
         if a is not None and (a.ndim != 2 or a.dtype != np.uint8 or not a.flags.c_contiguous):
             raise InvalidInput("crc32c_rows needs C-contiguous uint8 [n, width] arrays")
@@ -104,26 +97,42 @@ def crc32c_rows(rows: np.ndarray, start: int, nbytes: int, init=None, then: np.n
         raise InvalidInput(f"crc32c_rows: {len(init)} seeds for {n} rows")
     if _lib is None:
         return py_crc32c_rows(rows, start, nbytes, init, then)
-    if nbytes < FAST_CRC_MIN_BYTES and (then is None or then.shape[1] < FAST_CRC_MIN_BYTES or _fast_crc is None) \
-            or _fast_crc is None:
-        # short rows: one native call for the whole batch (a Python call per row costs more than its crc)
-        out = np.empty(n, dtype=np.uint32)
-        seeds = None if init is None else np.ascontiguousarray(init, dtype=np.uint32)
+    out = np.empty(n, dtype=np.uint32)
+    seeds = None if init is None else np.ascontiguousarray(init, dtype=np.uint32)
+    _lib.kvdb_crc32c_rows(_ptr(rows), width, start, nbytes, _ptr(then), 0 if then is None else then.shape[1],
+                          _ptr(seeds, "uint32_t *"), n, _ptr(out, "uint32_t *"))
+    return out
 
-        def ptr(a, t="uint8_t *"):
-            return _ffi.NULL if a is None else _ffi.cast(t, _ffi.from_buffer(a))
 
-        _lib.kvdb_crc32c_rows(ptr(rows), width, start, nbytes, ptr(then), 0 if then is None else then.shape[1],
-                              ptr(seeds, "uint32_t *"), n, ptr(out, "uint32_t *"))
-        return out
-    seeds = [0] * n if init is None else np.asarray(init, dtype=np.uint32).tolist()
-    if nbytes >= FAST_CRC_MIN_BYTES:
-        out = [_fast_crc(row, s, 1) for row, s in zip(rows[:, start : start + nbytes], seeds)]
-    else:
-        out = crc32c_rows(rows, start, nbytes, seeds).tolist()  # the short heads in one native call
-    if then is None:
-        return np.array(out, dtype=np.uint32)
-    return np.array([_fast_crc(row, c, 1) for row, c in zip(then, out)], dtype=np.uint32)
+def _page_addrs(pages, page_bytes: int) -> np.ndarray:
+    """The address of each of ``pages`` (numpy arrays of exactly ``page_bytes`` contiguous bytes)."""
+    for p in pages:
+        if not isinstance(p, np.ndarray) or not p.flags.c_contiguous or p.nbytes != page_bytes:
+            raise InvalidInput(f"crc32c_heads_pages needs C-contiguous numpy pages of {page_bytes} bytes")
+    return np.fromiter((p.__array_interface__["data"][0] for p in pages), np.uint64, len(pages))
+
+
+def py_crc32c_heads_pages(heads: np.ndarray, start: int, pages) -> np.ndarray:
+    """For each i < len(pages): CRC-32C of ``heads[i, start:]``, continued over ``pages[i]`` (a
+    record whose head and page were read into different buffers); uint32 [len(pages)]."""
+    return np.array([py_crc32c(p, py_crc32c(heads[i, start:])) for i, p in enumerate(pages)], dtype=np.uint32)
+
+
+def crc32c_heads_pages(heads: np.ndarray, start: int, pages) -> np.ndarray:
+    """``py_crc32c_heads_pages`` in one native call (the GIL released) for a slice's records:
+    kvdb/cold/read.py ``check_slice_fields``."""
+    n = len(pages)
+    if heads.ndim != 2 or heads.dtype != np.uint8 or not heads.flags.c_contiguous or heads.shape[0] < n \
+            or not 0 <= start <= heads.shape[1]:
+        raise InvalidInput("crc32c_heads_pages needs C-contiguous uint8 [>= n, width] heads and 0 <= start <= width")
+    page_bytes = pages[0].nbytes if n else 0
+    addrs = _page_addrs(pages, page_bytes)
+    if _lib is None:
+        return py_crc32c_heads_pages(heads, start, pages)
+    out = np.empty(n, dtype=np.uint32)
+    _lib.kvdb_crc32c_heads_pages(_ptr(heads), heads.shape[1], start, _ptr(addrs, "uint64_t *"), page_bytes, n,
+                                 _ptr(out, "uint32_t *"))
+    return out
 
 
 # ---------------------------------------------------------------- hash chains

@@ -70,7 +70,7 @@ def test_crc32c_accepts_typed_buffers():
 @pytest.mark.parametrize("width,start,nbytes", [(70, 8, 45), (70, 0, 70), (20000, 3, 19990), (5, 2, 0)])
 def test_crc32c_rows_matches_python_row_by_row(width, start, nbytes):
     # one crc per row of a batch (kvdb/format/record.py seal_rows), with and without seeds;
-    # rows of 16 KiB and more take the crc32c package's path
+    # long rows take the three-stream path (kvdb_native.c crc_hw3)
     rows = np.random.default_rng(width).integers(0, 256, (6, width), dtype=np.uint8)
     init = np.arange(6, dtype=np.uint32) * 0x01020304
     for seeds in (None, init):
@@ -536,23 +536,59 @@ def test_committer_publish_recounts_waiters_so_the_next_one_is_not_stranded(tmp_
         c.stop()
 
 
-@pytest.mark.parametrize("n", [native.FAST_CRC_MIN_BYTES - 1, native.FAST_CRC_MIN_BYTES, 3 << 20])
-def test_crc32c_long_buffers_agree_with_the_c_loop(n):
-    # Buffers from FAST_CRC_MIN_BYTES on go to the crc32c package; the value must be the C
-    # loop's (and the Python twin's, checked on a slice) for every buffer kind, continued too.
-    if native._lib is None or native._fast_crc is None:
-        pytest.skip("needs the native core and the crc32c package")
-    data = np.random.default_rng(n).integers(0, 256, n, dtype=np.uint8)
+#: lengths around the three-stream path's edges (kvdb_native.c crc_hw3: one stream under 768
+#: bytes, then blocks of 3 x 8192 and 3 x 256, then one stream for the rest)
+_EDGES = [767, 768, 769, 3 * 256 * 2 + 7, 3 * 8192 - 1, 3 * 8192, 3 * 8192 + 1, 3 * 8192 + 768 + 5,
+          4096 + 53, 65536 + 53, 2 * 3 * 8192 + 3 * 256 + 255, 3 << 20]
 
-    def c_loop(buf, value=0):
-        b = native._ffi.from_buffer(buf)
-        return native._lib.kvdb_crc32c(value, b, len(b))
 
-    for buf in (data, memoryview(data), data.tobytes(), data.reshape(1, n)):
-        assert native.crc32c(buf) == c_loop(buf)
-        assert native.crc32c(buf, 0x1234ABCD) == c_loop(buf, 0x1234ABCD)
-    assert native.crc32c(data[n // 2 :], native.crc32c(data[: n // 2])) == native.crc32c(data)
-    assert native.crc32c(data[:5000]) == native.py_crc32c(data[:5000].tobytes())
+@pytest.mark.parametrize("n", _EDGES)
+def test_crc32c_long_buffers_agree_with_the_table_loop(crc_sw, n):
+    # the three-stream path against the independent slicing-by-8 table path, every start
+    # alignment, continued from a seed and split anywhere
+    data = np.random.default_rng(n).integers(0, 256, n + 8, dtype=np.uint8)
+    for off in range(8):
+        view = data[off : off + n]
+        assert native.crc32c(view) == crc_sw(view)
+        assert native.crc32c(view, 0x1234ABCD) == crc_sw(view, 0x1234ABCD)
+    for buf in (memoryview(view), view.tobytes(), view.reshape(1, n)):
+        assert native.crc32c(buf) == crc_sw(view)
+    assert native.crc32c(view[n // 3 :], native.crc32c(view[: n // 3])) == native.crc32c(view)
+    assert native.crc32c(view[:5000]) == native.py_crc32c(view[:5000].tobytes())
+
+
+@given(n=st.integers(min_value=0, max_value=80_000), off=st.integers(min_value=0, max_value=7), value=u32,
+       seed=st.integers(min_value=0, max_value=2**32 - 1))
+def test_crc32c_any_length_agrees_with_the_table_loop(crc_sw, n, off, value, seed):
+    data = np.random.default_rng(seed).integers(0, 256, n + off, dtype=np.uint8)[off:]
+    assert native.crc32c(data, value) == crc_sw(data, value)
+
+
+@given(k=st.integers(min_value=0, max_value=6), width=st.integers(min_value=8, max_value=80),
+       page=st.sampled_from([1, 64, 4096, 30_000]), seed=st.integers(min_value=0, max_value=2**32 - 1))
+def test_crc32c_heads_pages_matches_python(k, width, page, seed):
+    rng = np.random.default_rng(seed)
+    heads = rng.integers(0, 256, (k + 1, width), dtype=np.uint8)  # one spare head: n may be < rows
+    out = rng.integers(0, 256, (2 * k + 1, page), dtype=np.uint8)
+    pages = [out[j] for j in rng.permutation(2 * k + 1)[:k]]  # rows anywhere, in any order
+    got = native.crc32c_heads_pages(heads, 8, pages)
+    assert got.tolist() == native.py_crc32c_heads_pages(heads, 8, pages).tolist()
+    assert got.tolist() == [native.crc32c(p, native.crc32c(heads[i, 8:])) for i, p in enumerate(pages)]
+
+
+def test_crc32c_heads_pages_rejects_what_it_cannot_read():
+    heads = np.zeros((2, 53), dtype=np.uint8)
+    out = np.zeros((2, 4096), dtype=np.uint8)
+    for pages in ([out[0], out[1, :100]], [out[0], out[:, :2048].copy().ravel()[:4095]],
+                  [out[0], np.zeros(8192, dtype=np.uint8)[::2]], [out[0], bytearray(4096)]):
+        with pytest.raises(InvalidInput):
+            native.crc32c_heads_pages(heads, 8, pages)
+    with pytest.raises(InvalidInput):
+        native.crc32c_heads_pages(heads[:1], 8, [out[0], out[1]])  # fewer heads than pages
+    with pytest.raises(InvalidInput):
+        native.crc32c_heads_pages(heads, 54, [out[0]])
+    with pytest.raises(InvalidInput):
+        native.crc32c_heads_pages(heads[:, ::2], 8, [out[0]])
 
 
 # ---------------------------------------------------------------- the commit ceiling (bench)

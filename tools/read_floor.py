@@ -18,7 +18,9 @@ each round's variants in alternating order:
 * ``floor_nocopy``, ``floor_nocheck``, ``floor_bare``: the floor without the promotion's copy,
                 without the checks, without either;
 * ``whole``     the floor's steps without overlap: each run read by one ``preadv`` in the calling
-                thread, then checked and copied.
+                thread, then checked and copied;
+* ``lookup_read`` ``raw``'s reads (one ``preadv`` of one buffer a run) behind the floor's lookup
+                and reader thread: no per-record iovecs, checks or copies.
 
 Prints per variant the median GB/s and the median of its per-round ratio to ``raw``. Where the
 store sits near ``floor``, what is left between it and ``raw`` is the work itself (the checks,
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import json
 import os
 import shutil
@@ -81,44 +84,74 @@ class Store:
         assert np.array_equal(self.out, self.expect)
         return t
 
-    def floor(self, check: bool, copy: bool, sliced: bool, pool) -> float:
-        want, out, heads, host = self.want, self.out, self.heads, self.host
-        per = max(1, READ_SLICE_BYTES // want) if sliced else BATCH
+    @contextlib.contextmanager
+    def _reading(self):
+        """The store's index and a read fd per segment, the page cache dropped."""
         with _open(self.path, 16) as db:
-            index = db._cold.index
             fds = {s: os.open(p, os.O_RDONLY) for s, p in self.segs.items()}
-            _drop_dir(self.wal_dir)
             try:
-                t0 = time.perf_counter()
-                for b in range(0, self.n, BATCH):
-                    keys = self.keys[b : b + BATCH]
-                    e = np.frombuffer(b"".join(index.get_values(keys)), dtype=ENTRY_DTYPE)
-                    seg, off = e["segment_no"].astype(np.int64), e["offset"].astype(np.int64)
-                    cut = (np.flatnonzero((np.diff(seg) != 0) | (np.diff(off) != want)) + 1).tolist()
-                    jobs = []
-                    for r0, r1 in zip([0, *cut], [*cut, BATCH]):  # runs of back-to-back records
-                        for a in range(r0, r1, per):
-                            z = min(r1, a + per)
-                            bufs = [x for j in range(a, z) for x in (heads[j], out[j])]
-                            args = (fds[int(seg[r0])], bufs, int(off[r0]) + (a - r0) * want)
-                            fut = pool.submit(os.preadv, *args) if sliced else _done(os.preadv(*args))
-                            jobs.append((a, z, fut))
-                    frame = (b // BATCH) % 2 * BATCH
-                    for a, z, fut in jobs:
-                        if fut.result() != (z - a) * want:
-                            raise OSError("short read")
-                        if check and not all(check_slice_fields(  # the store's own check (C3)
-                                keys[a:z], e["record_bytes"][a:z], e["crc"][a:z], e["lsn"][a:z], heads[a:z],
-                                [out[j] for j in range(a, z)], z - a)):
-                            raise AssertionError("a record failed its checks")
-                        if copy:
-                            host[frame + a : frame + z] = out[a:z]
-                t = time.perf_counter() - t0
+                _drop_dir(self.wal_dir)
+                yield db._cold.index, fds
             finally:
                 for fd in fds.values():
                     os.close(fd)
+
+    def floor(self, check: bool, copy: bool, sliced: bool, pool) -> float:
+        want, out, heads, host = self.want, self.out, self.heads, self.host
+        per = max(1, READ_SLICE_BYTES // want) if sliced else BATCH
+        with self._reading() as (index, fds):
+            t0 = time.perf_counter()
+            for b in range(0, self.n, BATCH):
+                keys = self.keys[b : b + BATCH]
+                e, seg, off = _lookup(index, keys)
+                jobs = []
+                for r0, r1 in _runs(seg, off, want):
+                    for a in range(r0, r1, per):
+                        z = min(r1, a + per)
+                        bufs = [x for j in range(a, z) for x in (heads[j], out[j])]
+                        args = (fds[int(seg[r0])], bufs, int(off[r0]) + (a - r0) * want)
+                        fut = pool.submit(os.preadv, *args) if sliced else _done(os.preadv(*args))
+                        jobs.append((a, z, fut))
+                frame = (b // BATCH) % 2 * BATCH
+                for a, z, fut in jobs:
+                    if fut.result() != (z - a) * want:
+                        raise OSError("short read")
+                    if check and not all(check_slice_fields(  # the store's own check (C3)
+                            keys[a:z], e["record_bytes"][a:z], e["crc"][a:z], e["lsn"][a:z], heads[a:z],
+                            [out[j] for j in range(a, z)], z - a)):
+                        raise AssertionError("a record failed its checks")
+                    if copy:
+                        host[frame + a : frame + z] = out[a:z]
+            t = time.perf_counter() - t0
         assert np.array_equal(out, self.expect)
         return t
+
+    def lookup_read(self, pool) -> float:
+        """``raw``'s reads (one ``preadv`` a run, one buffer) behind the floor's lookup and reader
+        thread, nothing checked or copied: what the lookup and the hand-off cost by themselves."""
+        want, buf = self.want, memoryview(self.raw_buf)
+        with self._reading() as (index, fds):
+            t0 = time.perf_counter()
+            for b in range(0, self.n, BATCH):
+                _e, seg, off = _lookup(index, self.keys[b : b + BATCH])
+                jobs = [(r1 - r0, pool.submit(os.preadv, fds[int(seg[r0])], [buf[r0 * want : r1 * want]], int(off[r0])))
+                        for r0, r1 in _runs(seg, off, want)]
+                for k, fut in jobs:
+                    if fut.result() != k * want:
+                        raise OSError("short read")
+            return time.perf_counter() - t0
+
+
+def _lookup(index, keys: list[bytes]):
+    """A batch's index entries (one multi-get) as a numpy array, with their segments and offsets."""
+    e = np.frombuffer(b"".join(index.get_values(keys)), dtype=ENTRY_DTYPE)
+    return e, e["segment_no"].astype(np.int64), e["offset"].astype(np.int64)
+
+
+def _runs(seg: np.ndarray, off: np.ndarray, want: int) -> list[tuple[int, int]]:
+    """(first, end) entry of each run of back-to-back records of a batch."""
+    cut = (np.flatnonzero((np.diff(seg) != 0) | (np.diff(off) != want)) + 1).tolist()
+    return list(zip([0, *cut], [*cut, len(seg)]))
 
 
 def run(mib: int = 256, rounds: int = 8, dir_path: str | None = None, progress=None) -> dict:
@@ -128,7 +161,7 @@ def run(mib: int = 256, rounds: int = 8, dir_path: str | None = None, progress=N
     try:
         st = Store(root, mib)
         gb = st.n * st.page / 1e9
-        names = ["raw", "store", *FLOORS]
+        names = ["raw", "store", "lookup_read", *FLOORS]
         runs: dict[str, list[float]] = {v: [] for v in names}
         for r in range(rounds):
             for v in names if r % 2 == 0 else names[::-1]:  # each drops the page cache first
@@ -136,6 +169,8 @@ def run(mib: int = 256, rounds: int = 8, dir_path: str | None = None, progress=N
                     t = st.raw()
                 elif v == "store":
                     t = st.store()
+                elif v == "lookup_read":
+                    t = st.lookup_read(pool)
                 else:
                     t = st.floor(*FLOORS[v], pool)
                 runs[v].append(gb / t)

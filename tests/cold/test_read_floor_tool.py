@@ -24,6 +24,10 @@ def test_every_variant_reads_the_stored_pages_and_the_floor_checks_them(tmp_path
             assert np.array_equal(st.host[: tool.BATCH], st.expect) == copy  # 16 MiB: one batch, frames 0..255
         st.out[:] = 0
         assert st.store() > 0 and np.array_equal(st.out, st.expect)
+        st.raw_buf[:] = 0
+        assert st.lookup_read(pool) > 0  # whole records, back to back: each page after its head
+        recs = st.raw_buf[: tool.BATCH * st.want].reshape(tool.BATCH, st.want)
+        assert np.array_equal(recs[:, st.want - st.page :], st.expect)
         # one byte of one stored page flipped on disk: the floor's checks catch it, as the store's do
         seg, off, _nbytes, _recs = st.batches[0][0]
         with open(st.segs[seg], "r+b") as f:
@@ -37,6 +41,6 @@ def test_every_variant_reads_the_stored_pages_and_the_floor_checks_them(tmp_path
         pool.shutdown()
     assert tool.main(["--mib", "16", "--rounds", "1"]) == 0
     rows = {ln.split()[0]: ln.split()[1:] for ln in capsys.readouterr().out.splitlines()[1:]}
-    assert set(rows) == {"raw", "store", *tool.FLOORS}
+    assert set(rows) == {"raw", "store", "lookup_read", *tool.FLOORS}
     assert float(rows["raw"][1]) == 1.0 and all(float(g) > 0 for g, _r in rows.values())
     assert tool.main(["--mib", "1"]) == 2
