@@ -125,7 +125,7 @@ def crc32c_heads_pages(heads: np.ndarray, start: int, pages) -> np.ndarray:
     if heads.ndim != 2 or heads.dtype != np.uint8 or not heads.flags.c_contiguous or heads.shape[0] < n \
             or not 0 <= start <= heads.shape[1]:
         raise InvalidInput("crc32c_heads_pages needs C-contiguous uint8 [>= n, width] heads and 0 <= start <= width")
-    page_bytes = pages[0].nbytes if n else 0
+    page_bytes = getattr(pages[0], "nbytes", -1) if n else 0  # _page_addrs refuses anything but numpy pages
     addrs = _page_addrs(pages, page_bytes)
     if _lib is None:
         return py_crc32c_heads_pages(heads, start, pages)

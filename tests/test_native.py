@@ -580,7 +580,7 @@ def test_crc32c_heads_pages_rejects_what_it_cannot_read():
     heads = np.zeros((2, 53), dtype=np.uint8)
     out = np.zeros((2, 4096), dtype=np.uint8)
     for pages in ([out[0], out[1, :100]], [out[0], out[:, :2048].copy().ravel()[:4095]],
-                  [out[0], np.zeros(8192, dtype=np.uint8)[::2]], [out[0], bytearray(4096)]):
+                  [out[0], np.zeros(8192, dtype=np.uint8)[::2]], [out[0], bytearray(4096)], [bytearray(4096)]):
         with pytest.raises(InvalidInput):
             native.crc32c_heads_pages(heads, 8, pages)
     with pytest.raises(InvalidInput):
