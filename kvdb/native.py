@@ -104,37 +104,6 @@ def crc32c_rows(rows: np.ndarray, start: int, nbytes: int, init=None, then: np.n
     return out
 
 
-def _page_addrs(pages, page_bytes: int) -> np.ndarray:
-    """The address of each of ``pages`` (numpy arrays of exactly ``page_bytes`` contiguous bytes)."""
-    for p in pages:
-        if not isinstance(p, np.ndarray) or not p.flags.c_contiguous or p.nbytes != page_bytes:
-            raise InvalidInput(f"crc32c_heads_pages needs C-contiguous numpy pages of {page_bytes} bytes")
-    return np.fromiter((p.__array_interface__["data"][0] for p in pages), np.uint64, len(pages))
-
-
-def py_crc32c_heads_pages(heads: np.ndarray, start: int, pages) -> np.ndarray:
-    """For each i < len(pages): CRC-32C of ``heads[i, start:]``, continued over ``pages[i]`` (a
-    record whose head and page were read into different buffers); uint32 [len(pages)]."""
-    return np.array([py_crc32c(p, py_crc32c(heads[i, start:])) for i, p in enumerate(pages)], dtype=np.uint32)
-
-
-def crc32c_heads_pages(heads: np.ndarray, start: int, pages) -> np.ndarray:
-    """``py_crc32c_heads_pages`` in one native call (the GIL released) for a slice's records:
-    kvdb/cold/read.py ``check_slice_fields``."""
-    n = len(pages)
-    if heads.ndim != 2 or heads.dtype != np.uint8 or not heads.flags.c_contiguous or heads.shape[0] < n \
-            or not 0 <= start <= heads.shape[1]:
-        raise InvalidInput("crc32c_heads_pages needs C-contiguous uint8 [>= n, width] heads and 0 <= start <= width")
-    page_bytes = getattr(pages[0], "nbytes", -1) if n else 0  # _page_addrs refuses anything but numpy pages
-    addrs = _page_addrs(pages, page_bytes)
-    if _lib is None:
-        return py_crc32c_heads_pages(heads, start, pages)
-    out = np.empty(n, dtype=np.uint32)
-    _lib.kvdb_crc32c_heads_pages(_ptr(heads), heads.shape[1], start, _ptr(addrs, "uint64_t *"), page_bytes, n,
-                                 _ptr(out, "uint32_t *"))
-    return out
-
-
 # ---------------------------------------------------------------- hash chains
 
 
@@ -196,17 +165,50 @@ def _check_copy(dst, dst_frames, src, src_frames, page_bytes: int):
         raise InvalidInput(f"copy_pages got {df.size} dst frames but {sf.size} src frames")
     n = df.size if df is not None else sf.size
     for name, buf, frames in (("dst", dst, df), ("src", src, sf)):
-        num_pages = memoryview(buf).nbytes // page_bytes
-        if frames is None or not n:
-            lo, hi = 0, n
-        elif n <= SMALL_FRAME_LISTS:  # numpy's reductions cost more than the copy of one page
-            listed = frames.tolist()
-            lo, hi = min(listed), max(listed) + 1
-        else:
-            lo, hi = int(frames.min()), int(frames.max()) + 1
-        if lo < 0 or hi > num_pages:
-            raise InvalidInput(f"copy_pages {name} frames outside the {num_pages} pages of the buffer")
+        _check_frames(frames, n, memoryview(buf).nbytes // page_bytes, f"copy_pages {name}")
     return df, sf, n
+
+
+def _check_frames(frames: np.ndarray | None, n: int, num_pages: int, what: str) -> None:
+    """Frames (int64; None: 0..n-1) all inside a buffer of ``num_pages`` pages, or InvalidInput:
+    what keeps a native loop over them inside the buffer."""
+    if frames is None or not n:
+        lo, hi = 0, n
+    elif n <= SMALL_FRAME_LISTS:  # numpy's reductions cost more than the copy of one page
+        listed = frames.tolist()
+        lo, hi = min(listed), max(listed) + 1
+    else:
+        lo, hi = int(frames.min()), int(frames.max()) + 1
+    if lo < 0 or hi > num_pages:
+        raise InvalidInput(f"{what} frames outside the {num_pages} pages of the buffer")
+
+
+def py_crc32c_heads_pages(heads: np.ndarray, start: int, pages: np.ndarray, frames) -> np.ndarray:
+    """For each i < len(frames): CRC-32C of ``heads[i, start:]``, continued over page
+    ``pages[frames[i]]`` (a record whose head and page were read into different buffers);
+    uint32 [len(frames)]."""
+    return np.array([py_crc32c(pages[int(f)], py_crc32c(heads[i, start:])) for i, f in enumerate(frames)],
+                    dtype=np.uint32)
+
+
+def crc32c_heads_pages(heads: np.ndarray, start: int, pages: np.ndarray, frames) -> np.ndarray:
+    """``py_crc32c_heads_pages`` in one native call (the GIL released) for a slice's records,
+    ``pages`` a C-contiguous [m, page] array (a read's ``out``), ``frames`` the row of each
+    record's page: kvdb/cold/read.py ``check_slice_fields``."""
+    fr = np.ascontiguousarray(frames, dtype=np.int64).reshape(-1)
+    n = fr.size
+    if heads.ndim != 2 or heads.dtype != np.uint8 or not heads.flags.c_contiguous or heads.shape[0] < n \
+            or not 0 <= start <= heads.shape[1]:
+        raise InvalidInput("crc32c_heads_pages needs C-contiguous uint8 [>= n, width] heads and 0 <= start <= width")
+    if not isinstance(pages, np.ndarray) or pages.ndim != 2 or not pages.flags.c_contiguous:
+        raise InvalidInput("crc32c_heads_pages needs its pages as a C-contiguous [m, page] numpy array")
+    _check_frames(fr, n, pages.shape[0], "crc32c_heads_pages")
+    if _lib is None:
+        return py_crc32c_heads_pages(heads, start, pages, fr)
+    out = np.empty(n, dtype=np.uint32)
+    _lib.kvdb_crc32c_heads_pages(_ptr(heads), heads.shape[1], start, _ptr(pages), _ptr(fr, "int64_t *"),
+                                 pages.shape[1] * pages.itemsize, n, _ptr(out, "uint32_t *"))
+    return out
 
 
 def py_copy_pages(dst: np.ndarray, dst_frames, src: np.ndarray, src_frames, page_bytes: int) -> None:

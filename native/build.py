@@ -9,8 +9,8 @@ uint32_t kvdb_crc32c(uint32_t crc, const uint8_t *p, size_t n);
 void kvdb_crc32c_rows(const uint8_t *rows, size_t width, size_t start, size_t nbytes,
                       const uint8_t *then, size_t then_width, const uint32_t *seeds, size_t n,
                       uint32_t *out);
-void kvdb_crc32c_heads_pages(const uint8_t *heads, size_t width, size_t start, const uint64_t *page_addrs,
-                             size_t page_bytes, size_t n, uint32_t *out);
+void kvdb_crc32c_heads_pages(const uint8_t *heads, size_t width, size_t start, const uint8_t *pages,
+                             const int64_t *frames, size_t page_bytes, size_t n, uint32_t *out);
 void kvdb_sha256_chain(const uint8_t *seed, const uint32_t *tokens, size_t n_blocks,
                        size_t block_tokens, uint8_t *keys_out);
 void kvdb_copy_pages(uint8_t *dst, const int64_t *dst_frames, const uint8_t *src,

@@ -145,14 +145,15 @@ uint32_t kvdb_crc32c(uint32_t crc, const uint8_t *p, size_t n) {
     return ~crc_sw(crc, p, n);
 }
 
-/* For i < n: the CRC-32C of heads[i][start .. width), then of the page_bytes at page_addrs[i]
- * (a record's checksummed bytes when its head and its page were read into different buffers:
- * kvdb/cold/read.py check_slice_fields). One call a slice, the GIL released around it. */
-void kvdb_crc32c_heads_pages(const uint8_t *heads, size_t width, size_t start, const uint64_t *page_addrs,
-                             size_t page_bytes, size_t n, uint32_t *out) {
+/* For i < n: the CRC-32C of heads[i][start .. width), then of page frames[i] of `pages` (pages of
+ * page_bytes, back to back): a record's checksummed bytes when its head and its page were read
+ * into different buffers (kvdb/cold/read.py check_slice_fields). One call a slice, the GIL
+ * released around it; the caller has checked every frame against the buffer. */
+void kvdb_crc32c_heads_pages(const uint8_t *heads, size_t width, size_t start, const uint8_t *pages,
+                             const int64_t *frames, size_t page_bytes, size_t n, uint32_t *out) {
     for (size_t i = 0; i < n; i++) {
         uint32_t c = kvdb_crc32c(0, heads + i * width + start, width - start);
-        out[i] = kvdb_crc32c(c, (const uint8_t *)(uintptr_t)page_addrs[i], page_bytes);
+        out[i] = kvdb_crc32c(c, pages + (size_t)frames[i] * page_bytes, page_bytes);
     }
 }
 

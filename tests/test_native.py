@@ -570,25 +570,25 @@ def test_crc32c_heads_pages_matches_python(k, width, page, seed):
     rng = np.random.default_rng(seed)
     heads = rng.integers(0, 256, (k + 1, width), dtype=np.uint8)  # one spare head: n may be < rows
     out = rng.integers(0, 256, (2 * k + 1, page), dtype=np.uint8)
-    pages = [out[j] for j in rng.permutation(2 * k + 1)[:k]]  # rows anywhere, in any order
-    got = native.crc32c_heads_pages(heads, 8, pages)
-    assert got.tolist() == native.py_crc32c_heads_pages(heads, 8, pages).tolist()
-    assert got.tolist() == [native.crc32c(p, native.crc32c(heads[i, 8:])) for i, p in enumerate(pages)]
+    frames = rng.permutation(2 * k + 1)[:k]  # rows anywhere, in any order
+    got = native.crc32c_heads_pages(heads, 8, out, frames)
+    assert got.tolist() == native.py_crc32c_heads_pages(heads, 8, out, frames).tolist()
+    assert got.tolist() == [native.crc32c(out[f], native.crc32c(heads[i, 8:])) for i, f in enumerate(frames)]
 
 
 def test_crc32c_heads_pages_rejects_what_it_cannot_read():
     heads = np.zeros((2, 53), dtype=np.uint8)
     out = np.zeros((2, 4096), dtype=np.uint8)
-    for pages in ([out[0], out[1, :100]], [out[0], out[:, :2048].copy().ravel()[:4095]],
-                  [out[0], np.zeros(8192, dtype=np.uint8)[::2]], [out[0], bytearray(4096)], [bytearray(4096)]):
+    for pages, frames in ((out, [0, 2]), (out, [-1]), (out[:, :2048], [0]), (out.ravel(), [0]), (bytearray(4096), [0]),
+                          (np.zeros((4, 4096), dtype=np.uint8)[::2], [0])):
         with pytest.raises(InvalidInput):
-            native.crc32c_heads_pages(heads, 8, pages)
+            native.crc32c_heads_pages(heads, 8, pages, frames)
     with pytest.raises(InvalidInput):
-        native.crc32c_heads_pages(heads[:1], 8, [out[0], out[1]])  # fewer heads than pages
+        native.crc32c_heads_pages(heads[:1], 8, out, [0, 1])  # fewer heads than pages
     with pytest.raises(InvalidInput):
-        native.crc32c_heads_pages(heads, 54, [out[0]])
+        native.crc32c_heads_pages(heads, 54, out, [0])
     with pytest.raises(InvalidInput):
-        native.crc32c_heads_pages(heads[:, ::2], 8, [out[0]])
+        native.crc32c_heads_pages(heads[:, ::2], 8, out, [0])
 
 
 # ---------------------------------------------------------------- the commit ceiling (bench)

@@ -118,7 +118,7 @@ class Store:
                         raise OSError("short read")
                     if check and not all(check_slice_fields(  # the store's own check (C3)
                             keys[a:z], e["record_bytes"][a:z], e["crc"][a:z], e["lsn"][a:z], heads[a:z],
-                            [out[j] for j in range(a, z)], z - a)):
+                            out, range(a, z), z - a)):
                         raise AssertionError("a record failed its checks")
                     if copy:
                         host[frame + a : frame + z] = out[a:z]

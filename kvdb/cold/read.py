@@ -63,19 +63,20 @@ def check_raw(key: bytes, e: iv.BlockEntry, head: bytearray, row: np.ndarray) ->
     return native.crc32c(row, native.crc32c(memoryview(head)[8:])) == crc
 
 
-def check_slice(keys: list[bytes], entries: list, heads: np.ndarray, pages: list, whole: int) -> list[bool]:
+def check_slice(keys: list[bytes], entries: list, heads: np.ndarray, out: np.ndarray, rows, whole: int) -> list[bool]:
     """``check_raw`` of every record of a slice read back to back, the header fields compared
     for the whole slice at once: ``heads`` uint8 [k, PUT_PAYLOAD_OFFSET] holds the records'
-    leading bytes, ``pages[j]`` the page read after head j; ``whole``: how many records the
-    read returned in full (the rest are misses). The crcs run in one native call (GIL released)."""
+    leading bytes, ``out[rows[j]]`` the page read after head j (``out`` C-contiguous [m, page]);
+    ``whole``: how many records the read returned in full (the rest are misses). The crcs run in
+    one native call (GIL released)."""
     k = len(keys)
     return check_slice_fields(keys, np.fromiter((e.record_bytes for e in entries), np.int64, k),
                               np.fromiter((e.crc for e in entries), np.uint32, k),
-                              np.fromiter((e.lsn for e in entries), np.uint64, k), heads, pages, whole)
+                              np.fromiter((e.lsn for e in entries), np.uint64, k), heads, out, rows, whole)
 
 
 def check_slice_fields(keys: list[bytes], record_bytes: np.ndarray, crcs: np.ndarray, lsns: np.ndarray,
-                       heads: np.ndarray, pages: list, whole: int) -> list[bool]:
+                       heads: np.ndarray, out: np.ndarray, rows, whole: int) -> list[bool]:
     """``check_slice`` with the index entries' fields as arrays (``record_bytes``, ``crcs``,
     ``lsns``: one per key, as in kvdb/format/index_value.py ``ENTRY_DTYPE``)."""
     k = len(keys)
@@ -87,7 +88,7 @@ def check_slice_fields(keys: list[bytes], record_bytes: np.ndarray, crcs: np.nda
         & (h["key"] == np.frombuffer(b"".join(keys), dtype="V16"))
     good[whole:] = False
     w = min(k, whole)  # the records read in full: their crcs in one native call
-    good[:w] &= native.crc32c_heads_pages(heads, 8, pages[:w]) == h["crc"][:w]
+    good[:w] &= native.crc32c_heads_pages(heads, 8, out, rows[:w]) == h["crc"][:w]
     return good.tolist()
 
 
@@ -251,7 +252,7 @@ class BlockReader:
             return
         pool = self._read_pool() if len(slices) > 1 else None
         pinned: dict[int, int | None] = {}
-        jobs = []  # per slice: (key indices, heads, pages, fd, iovecs, offset, read future or None)
+        jobs = []  # per slice: (key indices, heads, rows, fd, iovecs, offset, read future or None)
         try:
             for seg, off, part in slices:  # every slice submitted up front: the reads go back to back
                 if seg not in pinned:
@@ -260,13 +261,13 @@ class BlockReader:
                 if fd is None:
                     continue  # the segment is gone: the per-entry path looks again
                 heads = np.empty((len(part), PUT_PAYLOAD_OFFSET), dtype=np.uint8)
-                pages = [out[rows[i]] for i in part]
-                bufs = [b for pair in zip(heads, pages) for b in pair]
+                at = [rows[i] for i in part]
+                bufs = [b for j, r in enumerate(at) for b in (heads[j], out[r])]
                 fut = pool.submit(self._safe_preadv, fd, bufs, off) if pool is not None else None
-                jobs.append((part, heads, pages, fd, bufs, off, fut))
-            for part, heads, pages, fd, bufs, off, fut in jobs:
+                jobs.append((part, heads, at, fd, bufs, off, fut))
+            for part, heads, at, fd, bufs, off, fut in jobs:
                 n = fut.result() if fut is not None else self._safe_preadv(fd, bufs, off)
-                ok = check_slice([keys[i] for i in part], [entries[i] for i in part], heads, pages, n // want)
+                ok = check_slice([keys[i] for i in part], [entries[i] for i in part], heads, out, at, n // want)
                 for i, good in zip(part, ok):
                     results[i] = good
                     if not good:

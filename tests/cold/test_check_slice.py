@@ -26,7 +26,7 @@ def _slice(n: int = 6, first_lsn: int = 40):
 
 def test_a_clean_slice_passes():
     keys, entries, heads, pages = _slice()
-    assert check_slice(keys, entries, heads, list(pages), len(keys)) == [True] * len(keys)
+    assert check_slice(keys, entries, heads, pages, range(len(keys)), len(keys)) == [True] * len(keys)
 
 
 @pytest.mark.parametrize("what", ["page bit", "head bit", "entry lsn", "entry crc", "entry length", "other key",
@@ -50,7 +50,7 @@ def test_each_mismatch_fails_its_record_only(what):
         heads[j, 8] = 2
     elif what == "short read":
         whole, j = 4, None  # the read returned 4 whole records: the rest are misses
-    got = check_slice(keys, entries, heads, list(pages), whole)
+    got = check_slice(keys, entries, heads, pages, range(len(keys)), whole)
     want = [True] * len(keys)
     if j is None:
         want[4:] = [False] * (len(keys) - 4)
@@ -70,7 +70,7 @@ def test_it_agrees_with_check_raw_record_by_record():
     keys[4] = b"\xab" * 16
     want = [check_raw(k, e, bytearray(heads[j].tobytes()), pages[j]) for j, (k, e) in enumerate(zip(keys, entries))]
     assert want == [True, False, True, False, False, True]
-    assert check_slice(keys, entries, heads, list(pages), len(keys)) == want
+    assert check_slice(keys, entries, heads, pages, range(len(keys)), len(keys)) == want
 
 
 def test_plan_slices_cuts_runs_in_file_order_and_the_last_slice_in_halves():
