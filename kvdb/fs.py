@@ -105,6 +105,23 @@ class OsFs:
     def preadv(self, fd: int, bufs: list, offset: int) -> int:
         return os.preadv(fd, bufs, offset)
 
+    def preadv_rows(self, fd: int, heads, pages, rows, offset: int) -> int:
+        """Read records lying back to back from ``offset`` -- each a head row of ``heads``, then
+        a page -- into ``heads[j]`` and ``pages[rows[j]]``: the bytes of ``preadv`` of
+        ``native.read_bufs(heads, pages, rows)``, with the iovecs built natively (no Python
+        object per record). A layer that overrides ``preadv`` (faults, a spy) gets exactly that
+        ``preadv``, so every read still passes through it."""
+        if getattr(self.preadv, "__func__", None) is OsFs.preadv and native.HAVE_NATIVE:
+            return native.preadv_rows(fd, offset, heads, pages, rows)
+        bufs, done = native.read_bufs(heads, pages, rows), 0
+        for i in range(0, len(bufs), IOV_MAX):  # a preadv takes at most IOV_MAX buffers
+            chunk = bufs[i : i + IOV_MAX]
+            got = self.preadv(fd, chunk, offset + done)
+            done += got
+            if got < sum(memoryview(b).nbytes for b in chunk):
+                break  # end of file (or a short read): what was read so far
+        return done
+
     def pread(self, fd: int, nbytes: int, offset: int) -> bytes:
         return os.pread(fd, nbytes, offset)
 

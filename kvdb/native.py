@@ -244,6 +244,44 @@ def writev_rows(fd: int, heads: np.ndarray, pays: np.ndarray) -> None:
         raise OSError(err, os.strerror(err))
 
 
+def _check_rows(heads: np.ndarray, pages: np.ndarray, rows) -> np.ndarray:
+    """``rows`` as int64 after the checks that keep a read of ``len(rows)`` records inside
+    ``heads`` (C-contiguous, writable uint8 [>= n, head bytes]) and ``pages`` (the same,
+    [m, page bytes], every row < m): InvalidInput otherwise."""
+    r = np.ascontiguousarray(rows, dtype=np.int64).reshape(-1)
+    for a in (heads, pages):
+        if not isinstance(a, np.ndarray) or a.ndim != 2 or a.dtype != np.uint8 or not a.flags.c_contiguous \
+                or not a.flags.writeable:
+            raise InvalidInput("preadv_rows reads into C-contiguous, writable uint8 [rows, bytes] numpy arrays")
+    if heads.shape[0] < r.size:
+        raise InvalidInput(f"preadv_rows has {heads.shape[0]} head rows for {r.size} records")
+    _check_frames(r, r.size, pages.shape[0], "preadv_rows")
+    return r
+
+
+def read_bufs(heads: np.ndarray, pages: np.ndarray, rows) -> list:
+    """Head row j then page row rows[j], for every j < len(rows), as buffers for a ``preadv``
+    (the twin of ``preadv_rows``: kvdb/fs.py reads them with ``OsFs.preadv``)."""
+    r = _check_rows(heads, pages, rows)
+    return [b for j, x in enumerate(r.tolist()) for b in (heads[j], pages[x])]
+
+
+def preadv_rows(fd: int, offset: int, heads: np.ndarray, pages: np.ndarray, rows) -> int:
+    """Read records lying back to back in ``fd`` from ``offset`` -- record j a head of
+    ``heads.shape[1]`` bytes then a page -- into ``heads[j]`` and ``pages[rows[j]]``, in one
+    native call (the iovecs built in C, the GIL released, short reads resumed). Returns the
+    bytes read (fewer at end of file); OSError when a read fails."""
+    r = _check_rows(heads, pages, rows)
+    if _lib is None:
+        return os.preadv(fd, read_bufs(heads, pages, r), offset)
+    got = _lib.kvdb_preadv_rows(fd, offset, _ffi.cast("uint8_t *", _ffi.from_buffer(heads, require_writable=True)),
+                                heads.shape[1], _ffi.cast("uint8_t *", _ffi.from_buffer(pages, require_writable=True)),
+                                pages.shape[1], _ptr(r, "int64_t *"), r.size)
+    if got < 0:
+        raise OSError(-got, os.strerror(-got))
+    return got
+
+
 def copy_pages(dst: np.ndarray, dst_frames, src: np.ndarray, src_frames, page_bytes: int) -> None:
     """Whole-page memcpy between two uint8 buffers in one native call (no Python loop)."""
     if _lib is None:

@@ -16,6 +16,8 @@ void kvdb_sha256_chain(const uint8_t *seed, const uint32_t *tokens, size_t n_blo
 void kvdb_copy_pages(uint8_t *dst, const int64_t *dst_frames, const uint8_t *src,
                      const int64_t *src_frames, size_t page_bytes, size_t n);
 int kvdb_writev_rows(int fd, const uint8_t *heads, size_t hb, const uint8_t *pays, size_t pb, size_t n);
+int64_t kvdb_preadv_rows(int fd, int64_t offset, uint8_t *heads, size_t hb, uint8_t *pages, size_t pb,
+                         const int64_t *rows, size_t n);
 
 typedef struct kvdb_committer kvdb_committer;
 #define KVDB_COMMIT_CLOSED ...

@@ -176,23 +176,44 @@ void kvdb_crc32c_rows(const uint8_t *rows, size_t width, size_t start, size_t nb
 #include <sys/uio.h>
 #include <unistd.h>
 
+#define KVDB_ROWS_PER_WRITEV 512
+
+/* iov[2j] and iov[2j + 1] := the head of record i + j (heads[(i+j)*hb .. +hb)), then its page
+ * (pays[r*pb .. +pb), r = rows[i + j], or i + j when rows is NULL), for j < k. */
+static void rows_iov(struct iovec *iov, const uint8_t *heads, size_t hb, const uint8_t *pays, size_t pb,
+                     const int64_t *rows, size_t i, size_t k) {
+    for (size_t j = 0; j < k; j++) {
+        size_t r = rows ? (size_t)rows[i + j] : i + j;
+        iov[2 * j].iov_base = (void *)(heads + (i + j) * hb);
+        iov[2 * j].iov_len = hb;
+        iov[2 * j + 1].iov_base = (void *)(pays + r * pb);
+        iov[2 * j + 1].iov_len = pb;
+    }
+}
+
+/* Step the *cnt iovecs at *v past the first `done` bytes (a short transfer resumes there). */
+static void iov_advance(struct iovec **v, int *cnt, size_t done) {
+    while (*cnt > 0 && done >= (*v)->iov_len) {
+        done -= (*v)->iov_len;
+        (*v)++;
+        (*cnt)--;
+    }
+    if (*cnt > 0 && done > 0) {
+        (*v)->iov_base = (uint8_t *)(*v)->iov_base + done;
+        (*v)->iov_len -= done;
+    }
+}
+
 /* Append n records to fd, record i being heads[i*hb .. +hb) then pays[i*pb .. +pb): one writev
  * per KVDB_ROWS_PER_WRITEV records (two iovecs each, within IOV_MAX), a short write resumed
  * where it stopped, EINTR retried. Returns 0, or the errno of the failed call (nothing after
  * it is written). The iovecs are built here: no Python object per record (kvdb/fs.py
  * OsFs.writev_rows; its twin is OsFs.writev over kvdb/native.py row_bufs). */
-#define KVDB_ROWS_PER_WRITEV 512
 int kvdb_writev_rows(int fd, const uint8_t *heads, size_t hb, const uint8_t *pays, size_t pb, size_t n) {
     struct iovec iov[2 * KVDB_ROWS_PER_WRITEV];
-    size_t i = 0;
-    while (i < n) {
+    for (size_t i = 0; i < n; i += KVDB_ROWS_PER_WRITEV) {
         size_t k = n - i < KVDB_ROWS_PER_WRITEV ? n - i : KVDB_ROWS_PER_WRITEV;
-        for (size_t j = 0; j < k; j++) {
-            iov[2 * j].iov_base = (void *)(heads + (i + j) * hb);
-            iov[2 * j].iov_len = hb;
-            iov[2 * j + 1].iov_base = (void *)(pays + (i + j) * pb);
-            iov[2 * j + 1].iov_len = pb;
-        }
+        rows_iov(iov, heads, hb, pays, pb, NULL, i, k);
         struct iovec *v = iov;
         int cnt = (int)(2 * k);
         while (cnt > 0) {
@@ -202,19 +223,40 @@ int kvdb_writev_rows(int fd, const uint8_t *heads, size_t hb, const uint8_t *pay
                 return errno;
             }
             if (w == 0) return EIO;
-            while (cnt > 0 && (size_t)w >= v->iov_len) {
-                w -= (ssize_t)v->iov_len;
-                v++;
-                cnt--;
-            }
-            if (cnt > 0 && w > 0) {
-                v->iov_base = (uint8_t *)v->iov_base + w;
-                v->iov_len -= (size_t)w;
-            }
+            iov_advance(&v, &cnt, (size_t)w);
         }
-        i += k;
     }
     return 0;
+}
+
+/* The read's twin of kvdb_writev_rows: n records lying back to back in fd from `offset`, record
+ * j a head of hb bytes then a page of pb bytes, read straight into heads[j*hb .. +hb) and
+ * pages[rows[j]*pb .. +pb): one preadv per KVDB_ROWS_PER_WRITEV records, a short read resumed
+ * where it stopped, EINTR retried, end of file ending it. Returns the bytes read (fewer than
+ * n * (hb + pb) at end of file), or -errno of the failed call. The iovecs are built here: no
+ * Python object per record (kvdb/fs.py OsFs.preadv_rows; its twin is OsFs.preadv over
+ * kvdb/native.py read_bufs). */
+int64_t kvdb_preadv_rows(int fd, int64_t offset, uint8_t *heads, size_t hb, uint8_t *pages, size_t pb,
+                         const int64_t *rows, size_t n) {
+    struct iovec iov[2 * KVDB_ROWS_PER_WRITEV];
+    int64_t done = 0;
+    for (size_t i = 0; i < n; i += KVDB_ROWS_PER_WRITEV) {
+        size_t k = n - i < KVDB_ROWS_PER_WRITEV ? n - i : KVDB_ROWS_PER_WRITEV;
+        rows_iov(iov, heads, hb, pages, pb, rows, i, k);
+        struct iovec *v = iov;
+        int cnt = (int)(2 * k);
+        while (cnt > 0) {
+            ssize_t r = preadv(fd, v, cnt, (off_t)(offset + done));
+            if (r < 0) {
+                if (errno == EINTR) continue;
+                return -(int64_t)errno;
+            }
+            if (r == 0) return done; /* end of file */
+            done += r;
+            iov_advance(&v, &cnt, (size_t)r);
+        }
+    }
+    return done;
 }
 
 /* ---------- prefix hash chains ---------- */

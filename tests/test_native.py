@@ -680,3 +680,104 @@ def test_a_file_layer_that_overrides_writev_sees_the_row_appends(tmp_path):
         assert fs.num_points == 3 and os.path.getsize(path) == 3 * 61
     finally:
         fs.close(fd)
+
+
+# ---------------------------------------------------------------- preadv_rows
+
+
+@pytest.mark.parametrize("n,hb,pb", [(1, 64, 4096), (3, 64, 7), (1300, 53, 100), (512, 1, 1)])
+def test_preadv_rows_reads_what_preadv_of_its_read_bufs_reads(tmp_path, n, hb, pb):
+    # The native read (iovecs built in C, 512 records a preadv: 1300 takes three calls) against
+    # its twin, OsFs.preadv of read_bufs, from an offset, pages landing in shuffled rows of a
+    # larger buffer; the rows not named stay untouched. A layer overriding preadv reads them in
+    # preadv calls of at most IOV_MAX buffers.
+    from kvdb.fs import IOV_MAX, OsFs
+
+    class Layer(OsFs):
+        def preadv(self, fd, bufs, offset):
+            assert len(bufs) <= IOV_MAX
+            return super().preadv(fd, bufs, offset)
+
+    layer = Layer()
+
+    rng = np.random.default_rng(n)
+    data = rng.integers(0, 256, 7 + n * (hb + pb), dtype=np.uint8).tobytes()
+    path = tmp_path / "f"
+    path.write_bytes(data)
+    rows = rng.permutation(n + 5)[:n]
+    recs = np.frombuffer(data[7:], np.uint8).reshape(n, hb + pb)
+    fs = OsFs()
+    fd = fs.open_read(str(path))
+    try:
+        reads = [("native", lambda h, p: native.preadv_rows(fd, 7, h, p, rows)),
+                 ("fs", lambda h, p: fs.preadv_rows(fd, h, p, rows, 7)),
+                 ("layer", lambda h, p: layer.preadv_rows(fd, h, p, rows, 7))]  # through its preadv
+        if 2 * n <= IOV_MAX:  # one preadv takes at most IOV_MAX buffers
+            reads.append(("twin", lambda h, p: fs.preadv(fd, native.read_bufs(h, p, rows), 7)))
+        for name, read in reads:
+            heads, pages = np.zeros((n, hb), np.uint8), np.full((n + 5, pb), 0xEE, np.uint8)
+            assert read(heads, pages) == n * (hb + pb), name
+            assert np.array_equal(heads, recs[:, :hb]) and np.array_equal(pages[rows], recs[:, hb:]), name
+            rest = np.setdiff1d(np.arange(n + 5), rows)
+            assert (pages[rest] == 0xEE).all(), name
+    finally:
+        fs.close(fd)
+
+
+def test_preadv_rows_stops_at_end_of_file_and_reports_errors(tmp_path):
+    path = tmp_path / "f"
+    path.write_bytes(bytes(range(200)) * 3)  # 600 bytes: two records of 64 + 200, then 72 more
+    fd = os.open(str(path), os.O_RDONLY)
+    try:
+        heads, pages = np.zeros((3, 64), np.uint8), np.zeros((3, 200), np.uint8)
+        assert native.preadv_rows(fd, 0, heads, pages, [0, 1, 2]) == 600  # the third record cut short
+        assert pages[2, :8].tolist() == [p % 200 for p in range(592, 600)] and not pages[2, 8:].any()
+        assert native.preadv_rows(fd, 600, heads, pages, [0]) == 0  # at end of file: nothing
+    finally:
+        os.close(fd)
+    wfd = os.open(str(tmp_path / "w"), os.O_WRONLY | os.O_CREAT, 0o644)  # not open for reading
+    try:
+        with pytest.raises(OSError) as e:
+            native.preadv_rows(wfd, 0, heads, pages, [0])
+        assert e.value.errno == errno.EBADF
+    finally:
+        os.close(wfd)
+
+
+def test_preadv_rows_refuses_what_it_cannot_read_into():
+    heads, pages = np.zeros((2, 64), np.uint8), np.zeros((4, 100), np.uint8)
+    ro = pages.copy()
+    ro.flags.writeable = False
+    for h, p, rows in ((heads, pages, [0, 4]), (heads, pages, [-1, 0]), (heads[:1], pages, [0, 1]),
+                       (heads, pages[:, ::2], [0, 1]), (heads, pages.astype(np.int16), [0, 1]), (heads, ro, [0, 1]),
+                       (heads[0], pages, [0]), (heads, pages.tolist(), [0, 1])):
+        for fn in (lambda: native.preadv_rows(0, 0, h, p, rows), lambda: native.read_bufs(h, p, rows)):
+            with pytest.raises(InvalidInput):
+                fn()
+
+
+def test_a_file_layer_that_overrides_preadv_sees_the_row_reads(tmp_path):
+    # A layer that overrides preadv (a class or one instance: a test's spy) gets the row reads as
+    # that preadv, not as the native call.
+    from kvdb.fs import OsFs
+
+    path = tmp_path / "f"
+    path.write_bytes(bytes(range(256)) * 2)
+    seen = []
+
+    class Spy(OsFs):
+        def preadv(self, fd, bufs, offset):
+            seen.append(("class", len(bufs), offset))
+            return super().preadv(fd, bufs, offset)
+
+    inst = OsFs()
+    inst.preadv = lambda fd, bufs, offset: seen.append(("instance", len(bufs), offset)) or os.preadv(fd, bufs, offset)
+    for fs in (Spy(), inst):
+        fd = fs.open_read(str(path))
+        try:
+            heads, pages = np.zeros((2, 56), np.uint8), np.zeros((2, 200), np.uint8)
+            assert fs.preadv_rows(fd, heads, pages, [1, 0], 0) == 512
+            assert pages[1].tolist() == pages[0].tolist() == list(range(56, 256)) and heads[1].tolist() == list(range(56))
+        finally:
+            os.close(fd)
+    assert seen == [("class", 4, 0), ("instance", 4, 0)]

@@ -11,10 +11,10 @@ each round's variants in alternating order:
 * ``store``     ``Db.get_blocks`` (the bench's ``read_gbps``: lookup, checks, promotion);
 * ``floor``     the same steps with no layer between them: one multi-get of the index, the
                 entries viewed as a numpy array, each run read in slices of READ_SLICE_BYTES
-                by one reader thread (head and page iovecs, straight into ``out``'s rows),
-                each slice checked as soon as it is read by the store's own check
-                (kvdb/cold/read.py ``check_slice_fields``), then its pages copied into host
-                frames (the promotion);
+                by one reader thread (kvdb/native.py ``preadv_rows``: head and page iovecs
+                built natively, straight into ``out``'s rows), each slice checked as soon as
+                it is read by the store's own check (kvdb/cold/read.py ``check_fields``),
+                then its pages copied into host frames (the promotion);
 * ``floor_nocopy``, ``floor_nocheck``, ``floor_bare``: the floor without the promotion's copy,
                 without the checks, without either;
 * ``whole``     the floor's steps without overlap: each run read by one ``preadv`` in the calling
@@ -45,7 +45,8 @@ import torch
 
 from kvdb.bench.ingest import PAGE64K
 from kvdb.bench.scale import _drop_dir, _open, raw_read, store_read, write_store
-from kvdb.cold.read import READ_SLICE_BYTES, check_slice_fields
+from kvdb import native
+from kvdb.cold.read import READ_SLICE_BYTES, check_fields
 from kvdb.format.index_value import ENTRY_DTYPE
 from kvdb.format.record import PUT_PAYLOAD_OFFSET
 
@@ -98,27 +99,28 @@ class Store:
 
     def floor(self, check: bool, copy: bool, sliced: bool, pool) -> float:
         want, out, heads, host = self.want, self.out, self.heads, self.host
+        rows = np.arange(BATCH, dtype=np.int64)
         per = max(1, READ_SLICE_BYTES // want) if sliced else BATCH
         with self._reading() as (index, fds):
             t0 = time.perf_counter()
             for b in range(0, self.n, BATCH):
                 keys = self.keys[b : b + BATCH]
                 e, seg, off = _lookup(index, keys)
+                kv = np.frombuffer(b"".join(keys), dtype="V16")
                 jobs = []
                 for r0, r1 in _runs(seg, off, want):
                     for a in range(r0, r1, per):
                         z = min(r1, a + per)
-                        bufs = [x for j in range(a, z) for x in (heads[j], out[j])]
-                        args = (fds[int(seg[r0])], bufs, int(off[r0]) + (a - r0) * want)
-                        fut = pool.submit(os.preadv, *args) if sliced else _done(os.preadv(*args))
+                        args = (fds[int(seg[r0])], int(off[r0]) + (a - r0) * want, heads[a:z], out, rows[a:z])
+                        fut = pool.submit(native.preadv_rows, *args) if sliced else _done(native.preadv_rows(*args))
                         jobs.append((a, z, fut))
                 frame = (b // BATCH) % 2 * BATCH
                 for a, z, fut in jobs:
                     if fut.result() != (z - a) * want:
                         raise OSError("short read")
-                    if check and not all(check_slice_fields(  # the store's own check (C3)
-                            keys[a:z], e["record_bytes"][a:z], e["crc"][a:z], e["lsn"][a:z], heads[a:z],
-                            out, range(a, z), z - a)):
+                    if check and not check_fields(  # the store's own check (C3)
+                            kv[a:z], e["record_bytes"][a:z].astype(np.int64), e["crc"][a:z], e["lsn"][a:z],
+                            heads[a:z], out, rows[a:z], z - a).all():
                         raise AssertionError("a record failed its checks")
                     if copy:
                         host[frame + a : frame + z] = out[a:z]

@@ -51,6 +51,7 @@ from kvdb.fs import IOV_MAX
 from kvdb.types import KEY_BYTES
 
 READ_SLICE_BYTES = 4 << 20  # raw runs are read and checked in slices of this many bytes
+RUN_NOT_READ = -1  # read_runs' state of a key it did not read
 TAIL_SLICE_BYTES = 256 << 10  # ... the last one cut down in halves to about this many
 
 
@@ -69,61 +70,62 @@ def check_slice(keys: list[bytes], entries: list, heads: np.ndarray, out: np.nda
     leading bytes, ``out[rows[j]]`` the page read after head j (``out`` C-contiguous [m, page]);
     ``whole``: how many records the read returned in full (the rest are misses). The crcs run in
     one native call (GIL released)."""
-    k = len(keys)
-    return check_slice_fields(keys, np.fromiter((e.record_bytes for e in entries), np.int64, k),
-                              np.fromiter((e.crc for e in entries), np.uint32, k),
-                              np.fromiter((e.lsn for e in entries), np.uint64, k), heads, out, rows, whole)
+    tab, _ = iv.entry_table(entries)
+    return check_slice_fields(keys, tab["record_bytes"].astype(np.int64), tab["crc"], tab["lsn"], heads, out, rows,
+                              whole)
 
 
-def check_slice_fields(keys: list[bytes], record_bytes: np.ndarray, crcs: np.ndarray, lsns: np.ndarray,
+def check_slice_fields(keys, record_bytes: np.ndarray, crcs: np.ndarray, lsns: np.ndarray,
                        heads: np.ndarray, out: np.ndarray, rows, whole: int) -> list[bool]:
     """``check_slice`` with the index entries' fields as arrays (``record_bytes``, ``crcs``,
-    ``lsns``: one per key, as in kvdb/format/index_value.py ``ENTRY_DTYPE``)."""
+    ``lsns``: one per key, as in kvdb/format/index_value.py ``ENTRY_DTYPE``); ``keys`` a list of
+    16-byte keys or their "V16" array."""
+    return check_fields(keys, record_bytes, crcs, lsns, heads, out, rows, whole).tolist()
+
+
+def check_fields(keys, record_bytes: np.ndarray, crcs: np.ndarray, lsns: np.ndarray,
+                 heads: np.ndarray, out: np.ndarray, rows, whole: int) -> np.ndarray:
+    """``check_slice_fields``' verdicts as a bool array."""
     k = len(keys)
-    h = heads.view(PUT_HEAD_DTYPE).reshape(k)
+    kv = keys if isinstance(keys, np.ndarray) else np.frombuffer(b"".join(keys), dtype="V16")
+    h = heads[:k].view(PUT_HEAD_DTYPE).reshape(k)
     good = (h["length"].astype(np.int64) + RECORD_HEADER_BYTES == record_bytes) \
         & (h["crc"] == crcs) \
         & (h["type"] == RecordType.PUT_BLOCK) \
         & (h["lsn"] == lsns) \
-        & (h["key"] == np.frombuffer(b"".join(keys), dtype="V16"))
+        & (h["key"] == kv)
     good[whole:] = False
     w = min(k, whole)  # the records read in full: their crcs in one native call
     good[:w] &= native.crc32c_heads_pages(heads, 8, out, rows[:w]) == h["crc"][:w]
-    return good.tolist()
+    return good
 
 
-def plan_slices(cand: list, want: int, per: int) -> list[tuple[int, int, list[int]]]:
-    """The reads of ``read_runs``: ``cand`` (segment, offset, key index) of raw records of ``want``
-    bytes, in any order. Records back to back in a segment form a run (a lone record is left to
-    the per-entry path); runs are cut into slices of at most ``per`` records, in file order,
-    except the last ``per`` records of the last run: they are cut in halves down to
-    TAIL_SLICE_BYTES (63 records of 64 KiB pages become 31, 16, 8, 4, 2, 2), so that what is
-    checked and promoted after the last read completes is a small piece, not a whole slice.
-    Returns (segment, offset, [key index]) per slice."""
-    cand.sort()
-    runs = []  # (segment, offset, [key index]) of each run of two or more records
-    j = 0
-    while j < len(cand):
-        seg, off, _ = cand[j]
-        run = [cand[j][2]]
-        j += 1
-        while j < len(cand) and cand[j][0] == seg and cand[j][1] == off + len(run) * want:
-            run.append(cand[j][2])
-            j += 1
-        if len(run) > 1:
-            runs.append((seg, off, run))
+def plan_slices(seg: np.ndarray, off: np.ndarray, idx: np.ndarray, want: int,
+                per: int) -> list[tuple[int, int, np.ndarray]]:
+    """The reads of ``read_runs``: raw records of ``want`` bytes at ``seg[j]``, ``off[j]`` (int64
+    arrays, any order), ``idx[j]`` their key indices. Records back to back in a segment form a
+    run (a lone record is left to the per-entry path); runs are cut into slices of at most
+    ``per`` records, in file order, except the last ``per`` records of the last run: they are
+    cut in halves down to TAIL_SLICE_BYTES (63 records of 64 KiB pages become 31, 16, 8, 4, 2,
+    2), so that what is checked and promoted after the last read completes is a small piece,
+    not a whole slice. Returns (segment, offset, key indices) per slice."""
+    order = np.lexsort((off, seg))  # stable: a key listed twice keeps its order
+    seg, off, idx = seg[order], off[order], idx[order]
+    cut = (np.flatnonzero((seg[1:] != seg[:-1]) | (off[1:] != off[:-1] + want)) + 1).tolist()
+    runs = [(a, z) for a, z in zip([0, *cut], [*cut, len(seg)]) if z - a > 1]
     slices = []
-    for r, (seg, off, run) in enumerate(runs):
-        body = len(run) - min(len(run), per) if r == len(runs) - 1 else len(run)
-        slices.extend((seg, off + a * want, run[a : min(a + per, body)]) for a in range(0, body, per))
-        part, off, tail = run[body:], off + body * want, max(1, TAIL_SLICE_BYTES // want)
-        while len(part) > tail:
-            h = len(part) // 2
-            slices.append((seg, off, part[:h]))
-            off += h * want
-            part = part[h:]
-        if part:
-            slices.append((seg, off, part))
+    tail = max(1, TAIL_SLICE_BYTES // want)
+    for r, (a, z) in enumerate(runs):
+        s0, o0 = int(seg[a]), int(off[a])
+        body = (z - a) - min(z - a, per) if r == len(runs) - 1 else z - a
+        slices.extend((s0, o0 + b * want, idx[a + b : a + min(b + per, body)]) for b in range(0, body, per))
+        b = body
+        while z - a - b > tail:
+            h = (z - a - b) // 2
+            slices.append((s0, o0 + b * want, idx[a + b : a + b + h]))
+            b += h
+        if z - a > b:
+            slices.append((s0, o0 + b * want, idx[a + b : z]))
     return slices
 
 
@@ -206,8 +208,11 @@ class BlockReader:
         ``on_ready(indices)``, when given, is told each hit once, as soon as it is checked: the
         runs' slices while later ones are still being read, then the lone records together."""
         rows = range(len(keys)) if rows is None else rows
-        results: list = [None] * len(keys)
-        self.read_runs(keys, entries, out, results, rows, on_ready)
+        state = np.full(len(keys), RUN_NOT_READ, dtype=np.int8)
+        self.read_runs(keys, entries, out, state, rows, on_ready)
+        if (state == 1).all():  # every key read in a run and checked good
+            return [True] * len(keys), len(keys), 0, 0
+        results = [None if s == RUN_NOT_READ else bool(s) for s in state.tolist()]
         found = [False] * len(keys)
         late = []
         hits = misses = bad = 0
@@ -232,27 +237,34 @@ class BlockReader:
             on_ready(late)
         return found, hits, misses, bad
 
-    def read_runs(self, keys, entries, out: np.ndarray, results: list, rows=None, on_ready=None) -> None:
+    def read_runs(self, keys, entries, out: np.ndarray, state: np.ndarray, rows=None, on_ready=None) -> None:
         """Raw, unsealed pages whose records lie back to back in a segment are read with one
         preadv per run slice, straight into their rows ``out[rows[i]]`` (the same I/O a plain
-        sequential read does; the rows need not be adjacent in ``out``).
+        sequential read does; the rows need not be adjacent in ``out``); ``state[i]`` becomes 1
+        (read and checked) or 0 (damaged: its row zeroed) for each key read so, and stays
+        RUN_NOT_READ for the others (absent, not raw, alone, or in a segment gone since).
 
-        A reader thread goes through the slices back to back (preadv releases the GIL) while
-        this thread checks the slices already read, a slice at a time (``check_slice``), and
-        hands them to ``on_ready``: the device never waits for a check or a promotion except
-        the last slice's."""
+        A reader thread goes through the slices back to back (the native preadv releases the
+        GIL) while this thread checks the slices already read, a slice at a time
+        (``check_fields``), and hands them to ``on_ready``: the device never waits for a check
+        or a promotion except the last slice's. Entries, slices and checks are arrays: no
+        Python step per record."""
         if len(keys) < 2:  # no run: a lone record takes the per-entry path
             return
-        rows = range(len(keys)) if rows is None else rows
         want = PUT_PAYLOAD_OFFSET + self.page_bytes
-        cand = [(e.segment_no, e.offset, i) for i, e in enumerate(entries)
-                if e is not None and e.codec == Codec.RAW and not (e.flags & FLAG_SEALED) and e.record_bytes == want]
-        slices = plan_slices(cand, want, max(1, min(IOV_MAX // 2, READ_SLICE_BYTES // want)))
+        tab, present = iv.entry_table(entries)
+        idx = np.flatnonzero(present & (tab["codec"] == Codec.RAW) & ((tab["flags"] & FLAG_SEALED) == 0)
+                             & (tab["record_bytes"] == want))
+        slices = plan_slices(tab["segment_no"][idx].astype(np.int64), tab["offset"][idx].astype(np.int64), idx,
+                             want, max(1, min(IOV_MAX // 2, READ_SLICE_BYTES // want)))
         if not slices:
             return
+        at_rows = np.arange(len(keys), dtype=np.int64) if type(rows) is range and rows == range(len(keys)) \
+            else np.asarray(rows, dtype=np.int64)
+        kv = np.frombuffer(b"".join(keys), dtype="V16")
         pool = self._read_pool() if len(slices) > 1 else None
         pinned: dict[int, int | None] = {}
-        jobs = []  # per slice: (key indices, heads, rows, fd, iovecs, offset, read future or None)
+        jobs = []  # per slice: (key indices, heads, rows, read future or None, fd, offset)
         try:
             for seg, off, part in slices:  # every slice submitted up front: the reads go back to back
                 if seg not in pinned:
@@ -261,24 +273,23 @@ class BlockReader:
                 if fd is None:
                     continue  # the segment is gone: the per-entry path looks again
                 heads = np.empty((len(part), PUT_PAYLOAD_OFFSET), dtype=np.uint8)
-                at = [rows[i] for i in part]
-                bufs = [b for j, r in enumerate(at) for b in (heads[j], out[r])]
-                fut = pool.submit(self._safe_preadv, fd, bufs, off) if pool is not None else None
-                jobs.append((part, heads, at, fd, bufs, off, fut))
-            for part, heads, at, fd, bufs, off, fut in jobs:
-                n = fut.result() if fut is not None else self._safe_preadv(fd, bufs, off)
-                ok = check_slice([keys[i] for i in part], [entries[i] for i in part], heads, out, at, n // want)
-                for i, good in zip(part, ok):
-                    results[i] = good
-                    if not good:
-                        out[rows[i]] = 0  # C3: zeroed now, whatever on_ready does next
-                ready = [i for i, good in zip(part, ok) if good]
-                if ready and on_ready is not None:
-                    on_ready(ready)
+                at = at_rows[part]
+                fut = pool.submit(self._safe_preadv_rows, fd, heads, out, at, off) if pool is not None else None
+                jobs.append((part, heads, at, fut, fd, off))
+            for part, heads, at, fut, fd, off in jobs:
+                n = fut.result() if fut is not None else self._safe_preadv_rows(fd, heads, out, at, off)
+                e = tab[part]
+                good = check_fields(kv[part], e["record_bytes"].astype(np.int64), e["crc"], e["lsn"], heads, out,
+                                    at, n // want)
+                state[part] = good
+                if not good.all():
+                    out[at[~good]] = 0  # C3: zeroed now, whatever on_ready does next
+                if on_ready is not None and good.any():
+                    on_ready(part[good].tolist())
         finally:
             for job in jobs:
-                if job[-1] is not None:
-                    job[-1].exception()  # never leave a read running into rows the caller reuses
+                if job[3] is not None:
+                    job[3].exception()  # never leave a read running into rows the caller reuses
             for seg, fd in pinned.items():
                 if fd is not None:
                     self._unpin_fd(seg, fd)
@@ -309,9 +320,9 @@ class BlockReader:
             return False
         return check_raw(key, e, head, row)
 
-    def _safe_preadv(self, fd: int, bufs: list, offset: int) -> int:
+    def _safe_preadv_rows(self, fd: int, heads: np.ndarray, out: np.ndarray, rows: np.ndarray, offset: int) -> int:
         try:
-            return self.fs.preadv(fd, bufs, offset)
+            return self.fs.preadv_rows(fd, heads, out, rows, offset)
         except OSError:
             return 0
 
@@ -346,4 +357,5 @@ class BlockReader:
             self._unpin_fd(segment_no, fd)
 
 
-__all__ = ["BlockReader", "READ_SLICE_BYTES", "TAIL_SLICE_BYTES", "check_raw", "check_slice", "check_slice_fields", "plan_slices"]
+__all__ = ["BlockReader", "READ_SLICE_BYTES", "RUN_NOT_READ", "TAIL_SLICE_BYTES", "check_fields", "check_raw", "check_slice",
+           "check_slice_fields", "plan_slices"]

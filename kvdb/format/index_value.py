@@ -148,9 +148,18 @@ def decode_entry(buf: bytes) -> BlockEntry:
     return _new_tuple(BlockEntry, (seg, off, rb, crc, lsn, pos, ns, codec, flags, raw))
 
 
+class Entries(list):
+    """``decode_entries``' answer for a batch: a list of BlockEntry (None: not live) that also
+    holds the same entries as arrays, so that a batch read takes their fields at once
+    (kvdb/cold/read.py ``entry_table``): ``table`` ENTRY_DTYPE [n] (zeros where None) and
+    ``present`` bool [n]. Never changed after it is made (a slice is a plain list)."""
+
+    __slots__ = ("table", "present")
+
+
 def decode_entries(vals: list) -> list:
     """``decode_entry`` of each encoded entry in ``vals`` (None stays None), a batch at once: one
-    unpack over the joined bytes when every value is an entry's size."""
+    unpack over the joined bytes when every value is an entry's size (then an ``Entries``)."""
     if len(vals) == 1:  # a one-block read: no batch to set up
         return [None if vals[0] is None else decode_entry(vals[0])]
     good = [v for v in vals if v is not None]
@@ -158,10 +167,30 @@ def decode_entries(vals: list) -> list:
         return list(vals)
     if set(map(len, good)) != {ENTRY_BYTES}:
         return [None if v is None else decode_entry(v) for v in vals]  # raises CorruptionError
-    it = map(_new_tuple, repeat(BlockEntry), _ENTRY_FIELDS.iter_unpack(b"".join(good)))
+    joined = b"".join(good)
+    it = map(_new_tuple, repeat(BlockEntry), _ENTRY_FIELDS.iter_unpack(joined))
+    table = np.frombuffer(joined, dtype=ENTRY_DTYPE)
     if len(good) == len(vals):
-        return list(it)
-    return [None if v is None else next(it) for v in vals]
+        out = Entries(it)
+        out.table, out.present = table, np.ones(len(vals), dtype=bool)
+        return out
+    out = Entries(None if v is None else next(it) for v in vals)
+    out.present = np.fromiter((v is not None for v in vals), dtype=bool, count=len(vals))
+    out.table = np.zeros(len(vals), dtype=ENTRY_DTYPE)
+    out.table[out.present] = table
+    return out
+
+
+def entry_table(entries: list) -> tuple[np.ndarray, np.ndarray]:
+    """(ENTRY_DTYPE [n] array, bool [n] present) of a list of BlockEntry or None: an
+    ``Entries``' own arrays, else made from the entries."""
+    if isinstance(entries, Entries):
+        return entries.table, entries.present
+    present = np.fromiter((e is not None for e in entries), dtype=bool, count=len(entries))
+    table = np.zeros(len(entries), dtype=ENTRY_DTYPE)
+    if present.any():
+        table[present] = np.frombuffer(b"".join(encode_entry(e) for e in entries if e is not None), dtype=ENTRY_DTYPE)
+    return table, present
 
 
 def entry_location(buf: bytes) -> tuple[int, int, int]:

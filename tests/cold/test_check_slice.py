@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvdb.cold.read import TAIL_SLICE_BYTES, check_slice, plan_slices
 from kvdb.format import index_value as iv
@@ -73,6 +75,12 @@ def test_it_agrees_with_check_raw_record_by_record():
     assert check_slice(keys, entries, heads, pages, range(len(keys)), len(keys)) == want
 
 
+def _plan(cand, want, per):
+    """plan_slices of (segment, offset, key index) tuples, its slices' indices as lists."""
+    seg, off, idx = (np.array([c[f] for c in cand], dtype=np.int64) for f in range(3))
+    return [(s, o, p.tolist()) for s, o, p in plan_slices(seg, off, idx, want, per)]
+
+
 def test_plan_slices_cuts_runs_in_file_order_and_the_last_slice_in_halves():
     # Records of 1 KiB: a run of 200 in segment 1 (given out of order), a lone record in segment 2
     # (left to the per-entry path), a run of 3 in segment 3. Slices hold at most 64 records; the
@@ -81,13 +89,51 @@ def test_plan_slices_cuts_runs_in_file_order_and_the_last_slice_in_halves():
     # the run's first 40 are a slice and its last 64 become 32, 16, 8, 4, 4.
     want = 1024
     cand = [(1, 32 + i * want, 1000 + i) for i in range(200)][::-1] + [(2, 32, 7)] + [(3, 32 + i * want, i) for i in range(3)]
-    got = plan_slices(cand, want, 64)
+    got = _plan(cand, want, 64)
     assert [(s, o, len(p)) for s, o, p in got] == \
         [(1, 32, 64), (1, 32 + 64 * want, 64), (1, 32 + 128 * want, 64), (1, 32 + 192 * want, 8), (3, 32, 3)]
     assert [i for _, _, p in got for i in p] == list(range(1000, 1200)) + [0, 1, 2]
     want = TAIL_SLICE_BYTES // 4
-    got = plan_slices([(1, i * want, i) for i in range(64 + 40)], want, 64)
+    got = _plan([(1, i * want, i) for i in range(64 + 40)], want, 64)
     assert [len(p) for _, _, p in got] == [40, 32, 16, 8, 4, 4]
     assert [o for _, o, _ in got] == [0, 40 * want, 72 * want, 88 * want, 96 * want, 100 * want]
     assert [i for _, _, p in got for i in p] == list(range(104))
-    assert plan_slices([(1, 0, 0), (1, 5 * want, 1)], want, 64) == []  # no two back to back: no run
+    assert _plan([(1, 0, 0), (1, 5 * want, 1)], want, 64) == []  # no two back to back: no run
+
+
+def _plan_by_records(cand, want, per):
+    """plan_slices' contract, record by record: sort, grow runs of back-to-back records, cut."""
+    cand = sorted(cand)
+    runs, j = [], 0
+    while j < len(cand):
+        seg, off, _ = cand[j]
+        run = [cand[j][2]]
+        j += 1
+        while j < len(cand) and cand[j][0] == seg and cand[j][1] == off + len(run) * want:
+            run.append(cand[j][2])
+            j += 1
+        if len(run) > 1:
+            runs.append((seg, off, run))
+    slices = []
+    for r, (seg, off, run) in enumerate(runs):
+        body = len(run) - min(len(run), per) if r == len(runs) - 1 else len(run)
+        slices.extend((seg, off + a * want, run[a : min(a + per, body)]) for a in range(0, body, per))
+        part, off, tail = run[body:], off + body * want, max(1, TAIL_SLICE_BYTES // want)
+        while len(part) > tail:
+            h = len(part) // 2
+            slices.append((seg, off, part[:h]))
+            off += h * want
+            part = part[h:]
+        if part:
+            slices.append((seg, off, part))
+    return slices
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 3), st.integers(0, 40)), max_size=120),
+       st.sampled_from([1024, TAIL_SLICE_BYTES // 8, TAIL_SLICE_BYTES // 2]), st.integers(1, 70))
+def test_plan_slices_agrees_with_a_record_by_record_reading(recs, want, per):
+    # Any records (segment, record number: a key listed twice reads the same record twice), in
+    # any order: the array form cuts the same slices as the plain loop over sorted records.
+    cand = [(seg, 32 + k * want, i) for i, (seg, k) in enumerate(recs)]
+    assert _plan(cand, want, per) == _plan_by_records(cand, want, per)

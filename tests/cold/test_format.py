@@ -184,6 +184,25 @@ def test_a_batch_of_entries_decodes_as_each_one_alone():
         iv.decode_entries([vals[1][:-1]])
 
 
+def test_a_batch_of_entries_carries_the_same_entries_as_arrays():
+    # A batch read takes the entries' fields as arrays (kvdb/cold/read.py read_runs): the
+    # Entries' table holds exactly the decoded entries, zeros and present False where absent,
+    # and entry_table makes the same arrays from plain lists (a slice of an Entries is one).
+    es = [iv.BlockEntry(2**32 - 1, 2**64 - 1, 57, 2**32 - 1, 2**64 - 1, -(2**63), 7, 255, 255, 2**32 - 1),
+          iv.BlockEntry(1, 32, 57, 0x11223344, 5, 3, 7, 0, 1, 4)]
+    for vals in ([None, iv.encode_entry(es[0]), None, iv.encode_entry(es[1]), None],
+                 [iv.encode_entry(es[1]), iv.encode_entry(es[0])]):
+        got = iv.decode_entries(vals)
+        assert isinstance(got, iv.Entries) and type(got[:2]) is list
+        for entries in (got, list(got), got[:]):
+            table, present = iv.entry_table(entries)
+            assert present.tolist() == [v is not None for v in vals]
+            for row, e in zip(table, got):
+                fields = (row[f].item() for f in iv.ENTRY_DTYPE.names if f != "reserved")
+                assert tuple(fields) == (e if e is not None else (0,) * len(iv.BlockEntry._fields))
+    assert iv.entry_table([None, None])[1].tolist() == [False, False]
+
+
 record_bodies = st.lists(
     st.tuples(st.sampled_from(list(fr.RecordType)), st.binary(max_size=300)), min_size=0, max_size=12)
 
