@@ -109,9 +109,9 @@ class OsFs:
         """Read records lying back to back from ``offset`` -- each a head row of ``heads``, then
         a page -- into ``heads[j]`` and ``pages[rows[j]]``: the bytes of ``preadv`` of
         ``native.read_bufs(heads, pages, rows)``, with the iovecs built natively (no Python
-        object per record). A layer that overrides ``preadv`` (faults, a spy) gets exactly that
-        ``preadv``, so every read still passes through it."""
-        if getattr(self.preadv, "__func__", None) is OsFs.preadv and native.HAVE_NATIVE:
+        object per record). A layer that overrides or patches ``preadv`` (faults, a spy) gets
+        the same reads as that ``preadv``, in calls of at most IOV_MAX buffers."""
+        if getattr(self.preadv, "__func__", None) is _OS_PREADV and native.HAVE_NATIVE:
             return native.preadv_rows(fd, offset, heads, pages, rows)
         bufs, done = native.read_bufs(heads, pages, rows), 0
         for i in range(0, len(bufs), IOV_MAX):  # a preadv takes at most IOV_MAX buffers
@@ -146,6 +146,9 @@ class OsFs:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+
+_OS_PREADV = OsFs.preadv  # the plain preadv: anything else (a subclass, a patch, a spy) is a layer
 
 
 class ReadOnlyFs(OsFs):

@@ -270,7 +270,9 @@ def preadv_rows(fd: int, offset: int, heads: np.ndarray, pages: np.ndarray, rows
     """Read records lying back to back in ``fd`` from ``offset`` -- record j a head of
     ``heads.shape[1]`` bytes then a page -- into ``heads[j]`` and ``pages[rows[j]]``, in one
     native call (the iovecs built in C, the GIL released, short reads resumed). Returns the
-    bytes read (fewer at end of file); OSError when a read fails."""
+    bytes read (fewer at end of file); OSError when a read fails. Without the native core: one
+    ``os.preadv`` of ``read_bufs`` (at most IOV_MAX // 2 records, a short read not resumed;
+    kvdb/fs.py ``OsFs.preadv_rows`` is the general twin)."""
     r = _check_rows(heads, pages, rows)
     if _lib is None:
         return os.preadv(fd, read_bufs(heads, pages, r), offset)

@@ -735,6 +735,20 @@ def test_preadv_rows_stops_at_end_of_file_and_reports_errors(tmp_path):
         assert native.preadv_rows(fd, 600, heads, pages, [0]) == 0  # at end of file: nothing
     finally:
         os.close(fd)
+    # the same through a file layer (its own preadv, no resume): what was read, then the end
+    from kvdb.fs import OsFs
+
+    class Layer(OsFs):
+        def preadv(self, fd, bufs, offset):
+            return super().preadv(fd, bufs, offset)
+
+    fd = os.open(str(path), os.O_RDONLY)
+    try:
+        heads, pages = np.zeros((600, 1), np.uint8), np.zeros((600, 1), np.uint8)  # 1200 iovecs: two calls
+        assert Layer().preadv_rows(fd, heads, pages, list(range(600)), 0) == 600  # 300 records, then EOF
+        assert heads[:300, 0].tolist() == [p % 200 for p in range(0, 600, 2)] and not heads[300:].any()
+    finally:
+        os.close(fd)
     wfd = os.open(str(tmp_path / "w"), os.O_WRONLY | os.O_CREAT, 0o644)  # not open for reading
     try:
         with pytest.raises(OSError) as e:
@@ -756,9 +770,9 @@ def test_preadv_rows_refuses_what_it_cannot_read_into():
                 fn()
 
 
-def test_a_file_layer_that_overrides_preadv_sees_the_row_reads(tmp_path):
-    # A layer that overrides preadv (a class or one instance: a test's spy) gets the row reads as
-    # that preadv, not as the native call.
+def test_a_file_layer_that_overrides_preadv_sees_the_row_reads(tmp_path, monkeypatch):
+    # A layer that overrides preadv (a class, one instance, or a patch of OsFs itself: a test's
+    # spy) gets the row reads as that preadv, not as the native call.
     from kvdb.fs import OsFs
 
     path = tmp_path / "f"
@@ -772,7 +786,9 @@ def test_a_file_layer_that_overrides_preadv_sees_the_row_reads(tmp_path):
 
     inst = OsFs()
     inst.preadv = lambda fd, bufs, offset: seen.append(("instance", len(bufs), offset)) or os.preadv(fd, bufs, offset)
-    for fs in (Spy(), inst):
+    monkeypatch.setattr(OsFs, "preadv", lambda self, fd, bufs, offset: seen.append(("patched", len(bufs), offset))
+                        or os.preadv(fd, bufs, offset))
+    for fs in (Spy(), inst, OsFs()):
         fd = fs.open_read(str(path))
         try:
             heads, pages = np.zeros((2, 56), np.uint8), np.zeros((2, 200), np.uint8)
@@ -780,4 +796,4 @@ def test_a_file_layer_that_overrides_preadv_sees_the_row_reads(tmp_path):
             assert pages[1].tolist() == pages[0].tolist() == list(range(56, 256)) and heads[1].tolist() == list(range(56))
         finally:
             os.close(fd)
-    assert seen == [("class", 4, 0), ("instance", 4, 0)]
+    assert seen == [("class", 4, 0), ("patched", 4, 0), ("instance", 4, 0), ("patched", 4, 0)]

@@ -324,6 +324,7 @@ class BlockReader:
         try:
             return self.fs.preadv_rows(fd, heads, out, rows, offset)
         except OSError:
+            self.count(read_errors=1)  # counted as read_entry counts one: the slice's records are misses
             return 0
 
     def _read_decoded(self, fd: int, key: bytes, e: iv.BlockEntry, row: np.ndarray) -> bool:

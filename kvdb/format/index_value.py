@@ -151,10 +151,17 @@ def decode_entry(buf: bytes) -> BlockEntry:
 class Entries(list):
     """``decode_entries``' answer for a batch: a list of BlockEntry (None: not live) that also
     holds the same entries as arrays, so that a batch read takes their fields at once
-    (kvdb/cold/read.py ``entry_table``): ``table`` ENTRY_DTYPE [n] (zeros where None) and
-    ``present`` bool [n]. Never changed after it is made (a slice is a plain list)."""
+    (``entry_table``; kvdb/cold/read.py ``read_runs``): ``table`` ENTRY_DTYPE [n] (zeros where
+    None) and ``present`` bool [n]. Read-only, so that the arrays can never disagree with the
+    list (a change raises TypeError; a slice or a copy is a plain list)."""
 
     __slots__ = ("table", "present")
+
+    def _read_only(self, *args, **kwargs):
+        raise TypeError("a lookup's Entries is read-only: copy it to a list to change it")
+
+    __setitem__ = __delitem__ = __iadd__ = __imul__ = _read_only
+    append = extend = insert = pop = remove = clear = sort = reverse = _read_only
 
 
 def decode_entries(vals: list) -> list:
@@ -169,15 +176,13 @@ def decode_entries(vals: list) -> list:
         return [None if v is None else decode_entry(v) for v in vals]  # raises CorruptionError
     joined = b"".join(good)
     it = map(_new_tuple, repeat(BlockEntry), _ENTRY_FIELDS.iter_unpack(joined))
-    table = np.frombuffer(joined, dtype=ENTRY_DTYPE)
+    out = Entries(it if len(good) == len(vals) else (None if v is None else next(it) for v in vals))
     if len(good) == len(vals):
-        out = Entries(it)
-        out.table, out.present = table, np.ones(len(vals), dtype=bool)
-        return out
-    out = Entries(None if v is None else next(it) for v in vals)
-    out.present = np.fromiter((v is not None for v in vals), dtype=bool, count=len(vals))
-    out.table = np.zeros(len(vals), dtype=ENTRY_DTYPE)
-    out.table[out.present] = table
+        out.table, out.present = np.frombuffer(joined, dtype=ENTRY_DTYPE), np.ones(len(vals), dtype=bool)
+    else:
+        out.present = np.fromiter((v is not None for v in vals), dtype=bool, count=len(vals))
+        out.table = np.zeros(len(vals), dtype=ENTRY_DTYPE)
+        out.table[out.present] = np.frombuffer(joined, dtype=ENTRY_DTYPE)
     return out
 
 

@@ -137,3 +137,38 @@ def test_plan_slices_agrees_with_a_record_by_record_reading(recs, want, per):
     # any order: the array form cuts the same slices as the plain loop over sorted records.
     cand = [(seg, 32 + k * want, i) for i, (seg, k) in enumerate(recs)]
     assert _plan(cand, want, per) == _plan_by_records(cand, want, per)
+
+
+def test_a_run_whose_read_fails_is_a_counted_miss_and_changes_nothing_stored(tmp_path):
+    # A read error inside a run (the layer's preadv fails with EIO once) is a miss for the
+    # slice's keys, their rows zeroed, counted in read_errors (as a lone record's is), never
+    # wrong bytes; the next read of the same keys finds them all.
+    import errno
+    import os
+
+    from cold_fixtures import TINY, key, pages_for
+
+    from kvdb.cold.store import ColdStore
+    from kvdb.fs import OsFs
+
+    class FailOnce(OsFs):
+        armed = False
+
+        def preadv(self, fd, bufs, offset):
+            if self.armed:
+                self.armed = False
+                raise OSError(errno.EIO, "injected")
+            return os.preadv(fd, bufs, offset)
+
+    fs = FailOnce()
+    keys = [key(i) for i in range(8)]
+    with ColdStore.open(tmp_path / "s", TINY, fs=fs, flush_interval_s=None) as store:
+        want = pages_for(keys)
+        store.put(keys, want)
+        store.flush()
+        out = np.full((8, TINY.page_bytes), 7, dtype=np.uint8)
+        fs.armed = True
+        found = store.get_into(keys, out)
+        assert not any(found) and not out.any()  # one run, one slice: all eight missed, zeroed
+        assert store.stats()["read_errors"] == 1
+        assert all(store.get_into(keys, out)) and np.array_equal(out, want)

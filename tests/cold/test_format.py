@@ -201,6 +201,12 @@ def test_a_batch_of_entries_carries_the_same_entries_as_arrays():
                 fields = (row[f].item() for f in iv.ENTRY_DTYPE.names if f != "reserved")
                 assert tuple(fields) == (e if e is not None else (0,) * len(iv.BlockEntry._fields))
     assert iv.entry_table([None, None])[1].tolist() == [False, False]
+    # read-only: a changed entry would leave the arrays naming the old record
+    for change in (lambda g: g.__setitem__(0, es[0]), lambda g: g.append(None), lambda g: g.sort(),
+                   lambda g: g.__delitem__(0), lambda g: g.extend([None]), lambda g: g.__iadd__([None])):
+        with pytest.raises(TypeError):
+            change(got)
+    assert got == [es[1], es[0]] and type(got.copy()) is list
 
 
 record_bodies = st.lists(
