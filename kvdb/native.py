@@ -193,22 +193,34 @@ def py_crc32c_heads_pages(heads: np.ndarray, start: int, pages: np.ndarray, fram
 
 def crc32c_heads_pages(heads: np.ndarray, start: int, pages: np.ndarray, frames) -> np.ndarray:
     """``py_crc32c_heads_pages`` in one native call (the GIL released) for a slice's records,
-    ``pages`` a C-contiguous [m, page] array (a read's ``out``), ``frames`` the row of each
-    record's page: kvdb/cold/read.py ``check_slice_fields``."""
-    fr = np.ascontiguousarray(frames, dtype=np.int64).reshape(-1)
-    n = fr.size
-    if heads.ndim != 2 or heads.dtype != np.uint8 or not heads.flags.c_contiguous or heads.shape[0] < n \
-            or not 0 <= start <= heads.shape[1]:
-        raise InvalidInput("crc32c_heads_pages needs C-contiguous uint8 [>= n, width] heads and 0 <= start <= width")
-    if not isinstance(pages, np.ndarray) or pages.ndim != 2 or not pages.flags.c_contiguous:
-        raise InvalidInput("crc32c_heads_pages needs its pages as a C-contiguous [m, page] numpy array")
-    _check_frames(fr, n, pages.shape[0], "crc32c_heads_pages")
+    ``pages`` a C-contiguous uint8 [m, page] array (a read's ``out``), ``frames`` the row of
+    each record's page: kvdb/cold/read.py ``check_fields``."""
+    fr = _check_heads_pages(heads, pages, frames, "crc32c_heads_pages")
+    if not 0 <= start <= heads.shape[1]:
+        raise InvalidInput(f"crc32c_heads_pages: start {start} outside heads of {heads.shape[1]} bytes")
     if _lib is None:
         return py_crc32c_heads_pages(heads, start, pages, fr)
-    out = np.empty(n, dtype=np.uint32)
+    out = np.empty(fr.size, dtype=np.uint32)
     _lib.kvdb_crc32c_heads_pages(_ptr(heads), heads.shape[1], start, _ptr(pages), _ptr(fr, "int64_t *"),
-                                 pages.shape[1] * pages.itemsize, n, _ptr(out, "uint32_t *"))
+                                 pages.shape[1], fr.size, _ptr(out, "uint32_t *"))
     return out
+
+
+def _check_heads_pages(heads: np.ndarray, pages: np.ndarray, frames, what: str, writable: bool = False) -> np.ndarray:
+    """``frames`` as int64 after the checks that keep a native loop over ``len(frames)``
+    records inside ``heads`` (uint8 [>= n, head bytes]) and ``pages`` (uint8 [m, page bytes],
+    every frame < m): both C-contiguous numpy arrays, and writable when the loop writes them;
+    InvalidInput otherwise."""
+    fr = np.ascontiguousarray(frames, dtype=np.int64).reshape(-1)
+    for name, a in (("heads", heads), ("pages", pages)):
+        if not isinstance(a, np.ndarray) or a.ndim != 2 or a.dtype != np.uint8 or not a.flags.c_contiguous \
+                or (writable and not a.flags.writeable):
+            raise InvalidInput(f"{what} needs its {name} as a C-contiguous{', writable' if writable else ''} "
+                               f"uint8 [rows, bytes] numpy array")
+    if heads.shape[0] < fr.size:
+        raise InvalidInput(f"{what} has {heads.shape[0]} heads for {fr.size} records")
+    _check_frames(fr, fr.size, pages.shape[0], what)
+    return fr
 
 
 def py_copy_pages(dst: np.ndarray, dst_frames, src: np.ndarray, src_frames, page_bytes: int) -> None:
@@ -222,12 +234,14 @@ def py_copy_pages(dst: np.ndarray, dst_frames, src: np.ndarray, src_frames, page
         d2[d] = s2[s]
 
 
-def row_bufs(heads: np.ndarray, pays: np.ndarray) -> list:
-    """Head row i then payload row i, for every i, as buffers for a ``writev`` (the twin of
-    ``writev_rows``: kvdb/fs.py writes them with ``OsFs.writev``)."""
+def row_bufs(heads: np.ndarray, pays: np.ndarray, rows=None) -> list:
+    """Head row j then payload row rows[j], for j < len(rows) (rows None: every head row, with
+    its own payload row), as buffers for a ``writev`` or ``preadv``: the twin of ``writev_rows`` and ``preadv_rows``
+    (kvdb/fs.py moves them with ``OsFs.writev`` / ``OsFs.preadv``)."""
     hb, pb = heads.shape[1], pays.shape[1]
     h, p = memoryview(heads).cast("B"), memoryview(pays).cast("B")
-    return [b for x in range(heads.shape[0]) for b in (h[x * hb : (x + 1) * hb], p[x * pb : (x + 1) * pb])]
+    at = range(heads.shape[0]) if rows is None else rows
+    return [b for j, x in enumerate(at) for b in (h[j * hb : (j + 1) * hb], p[x * pb : (x + 1) * pb])]
 
 
 def writev_rows(fd: int, heads: np.ndarray, pays: np.ndarray) -> None:
@@ -244,26 +258,10 @@ def writev_rows(fd: int, heads: np.ndarray, pays: np.ndarray) -> None:
         raise OSError(err, os.strerror(err))
 
 
-def _check_rows(heads: np.ndarray, pages: np.ndarray, rows) -> np.ndarray:
-    """``rows`` as int64 after the checks that keep a read of ``len(rows)`` records inside
-    ``heads`` (C-contiguous, writable uint8 [>= n, head bytes]) and ``pages`` (the same,
-    [m, page bytes], every row < m): InvalidInput otherwise."""
-    r = np.ascontiguousarray(rows, dtype=np.int64).reshape(-1)
-    for a in (heads, pages):
-        if not isinstance(a, np.ndarray) or a.ndim != 2 or a.dtype != np.uint8 or not a.flags.c_contiguous \
-                or not a.flags.writeable:
-            raise InvalidInput("preadv_rows reads into C-contiguous, writable uint8 [rows, bytes] numpy arrays")
-    if heads.shape[0] < r.size:
-        raise InvalidInput(f"preadv_rows has {heads.shape[0]} head rows for {r.size} records")
-    _check_frames(r, r.size, pages.shape[0], "preadv_rows")
-    return r
-
-
 def read_bufs(heads: np.ndarray, pages: np.ndarray, rows) -> list:
-    """Head row j then page row rows[j], for every j < len(rows), as buffers for a ``preadv``
-    (the twin of ``preadv_rows``: kvdb/fs.py reads them with ``OsFs.preadv``)."""
-    r = _check_rows(heads, pages, rows)
-    return [b for j, x in enumerate(r.tolist()) for b in (heads[j], pages[x])]
+    """``row_bufs`` for a read into ``heads`` and ``pages[rows]``, checked as ``preadv_rows``
+    checks them (kvdb/fs.py reads them with ``OsFs.preadv``)."""
+    return row_bufs(heads, pages, _check_heads_pages(heads, pages, rows, "preadv_rows", writable=True).tolist())
 
 
 def preadv_rows(fd: int, offset: int, heads: np.ndarray, pages: np.ndarray, rows) -> int:
@@ -273,9 +271,9 @@ def preadv_rows(fd: int, offset: int, heads: np.ndarray, pages: np.ndarray, rows
     bytes read (fewer at end of file); OSError when a read fails. Without the native core: one
     ``os.preadv`` of ``read_bufs`` (at most IOV_MAX // 2 records, a short read not resumed;
     kvdb/fs.py ``OsFs.preadv_rows`` is the general twin)."""
-    r = _check_rows(heads, pages, rows)
+    r = _check_heads_pages(heads, pages, rows, "preadv_rows", writable=True)
     if _lib is None:
-        return os.preadv(fd, read_bufs(heads, pages, r), offset)
+        return os.preadv(fd, row_bufs(heads, pages, r.tolist()), offset)
     got = _lib.kvdb_preadv_rows(fd, offset, _ffi.cast("uint8_t *", _ffi.from_buffer(heads, require_writable=True)),
                                 heads.shape[1], _ffi.cast("uint8_t *", _ffi.from_buffer(pages, require_writable=True)),
                                 pages.shape[1], _ptr(r, "int64_t *"), r.size)

@@ -204,40 +204,15 @@ static void iov_advance(struct iovec **v, int *cnt, size_t done) {
     }
 }
 
-/* Append n records to fd, record i being heads[i*hb .. +hb) then pays[i*pb .. +pb): one writev
- * per KVDB_ROWS_PER_WRITEV records (two iovecs each, within IOV_MAX), a short write resumed
- * where it stopped, EINTR retried. Returns 0, or the errno of the failed call (nothing after
- * it is written). The iovecs are built here: no Python object per record (kvdb/fs.py
- * OsFs.writev_rows; its twin is OsFs.writev over kvdb/native.py row_bufs). */
-int kvdb_writev_rows(int fd, const uint8_t *heads, size_t hb, const uint8_t *pays, size_t pb, size_t n) {
-    struct iovec iov[2 * KVDB_ROWS_PER_WRITEV];
-    for (size_t i = 0; i < n; i += KVDB_ROWS_PER_WRITEV) {
-        size_t k = n - i < KVDB_ROWS_PER_WRITEV ? n - i : KVDB_ROWS_PER_WRITEV;
-        rows_iov(iov, heads, hb, pays, pb, NULL, i, k);
-        struct iovec *v = iov;
-        int cnt = (int)(2 * k);
-        while (cnt > 0) {
-            ssize_t w = writev(fd, v, cnt);
-            if (w < 0) {
-                if (errno == EINTR) continue;
-                return errno;
-            }
-            if (w == 0) return EIO;
-            iov_advance(&v, &cnt, (size_t)w);
-        }
-    }
-    return 0;
-}
-
-/* The read's twin of kvdb_writev_rows: n records lying back to back in fd from `offset`, record
- * j a head of hb bytes then a page of pb bytes, read straight into heads[j*hb .. +hb) and
- * pages[rows[j]*pb .. +pb): one preadv per KVDB_ROWS_PER_WRITEV records, a short read resumed
- * where it stopped, EINTR retried, end of file ending it. Returns the bytes read (fewer than
- * n * (hb + pb) at end of file), or -errno of the failed call. The iovecs are built here: no
- * Python object per record (kvdb/fs.py OsFs.preadv_rows; its twin is OsFs.preadv over
- * kvdb/native.py read_bufs). */
-int64_t kvdb_preadv_rows(int fd, int64_t offset, uint8_t *heads, size_t hb, uint8_t *pages, size_t pb,
-                         const int64_t *rows, size_t n) {
+/* Move n records between fd and memory, record j being the head heads[j*hb .. +hb) then the
+ * page pages[r*pb .. +pb) (r = rows[j], or j when rows is NULL): one writev (reading == 0: an
+ * append, `offset` unused) or preadv from `offset` (reading == 1, the records back to back
+ * there) per KVDB_ROWS_PER_WRITEV records, two iovecs each (within IOV_MAX), a short transfer
+ * resumed where it stopped, EINTR retried. Returns the bytes moved -- a read stops early at end
+ * of file, a write that makes no progress is EIO -- or -errno of the failed call (nothing after
+ * it is moved). The iovecs are built here: no Python object per record. */
+static int64_t rows_transfer(int fd, int reading, int64_t offset, const uint8_t *heads, size_t hb,
+                             const uint8_t *pages, size_t pb, const int64_t *rows, size_t n) {
     struct iovec iov[2 * KVDB_ROWS_PER_WRITEV];
     int64_t done = 0;
     for (size_t i = 0; i < n; i += KVDB_ROWS_PER_WRITEV) {
@@ -246,17 +221,34 @@ int64_t kvdb_preadv_rows(int fd, int64_t offset, uint8_t *heads, size_t hb, uint
         struct iovec *v = iov;
         int cnt = (int)(2 * k);
         while (cnt > 0) {
-            ssize_t r = preadv(fd, v, cnt, (off_t)(offset + done));
+            ssize_t r = reading ? preadv(fd, v, cnt, (off_t)(offset + done)) : writev(fd, v, cnt);
             if (r < 0) {
                 if (errno == EINTR) continue;
                 return -(int64_t)errno;
             }
-            if (r == 0) return done; /* end of file */
+            if (r == 0) return reading ? done : -(int64_t)EIO; /* end of file / no progress */
             done += r;
             iov_advance(&v, &cnt, (size_t)r);
         }
     }
     return done;
+}
+
+/* Append n records to fd, record i being heads[i*hb .. +hb) then pays[i*pb .. +pb)
+ * (rows_transfer). Returns 0, or the errno of the failed call (nothing after it is written).
+ * kvdb/fs.py OsFs.writev_rows; its twin is OsFs.writev over kvdb/native.py row_bufs. */
+int kvdb_writev_rows(int fd, const uint8_t *heads, size_t hb, const uint8_t *pays, size_t pb, size_t n) {
+    int64_t r = rows_transfer(fd, 0, 0, heads, hb, pays, pb, NULL, n);
+    return r < 0 ? (int)-r : 0;
+}
+
+/* The read's twin of kvdb_writev_rows: n records lying back to back in fd from `offset`, read
+ * straight into heads[j*hb .. +hb) and pages[rows[j]*pb .. +pb) (rows_transfer). Returns the
+ * bytes read (fewer than n * (hb + pb) at end of file), or -errno of the failed call.
+ * kvdb/fs.py OsFs.preadv_rows; its twin is OsFs.preadv over kvdb/native.py row_bufs. */
+int64_t kvdb_preadv_rows(int fd, int64_t offset, uint8_t *heads, size_t hb, uint8_t *pages, size_t pb,
+                         const int64_t *rows, size_t n) {
+    return rows_transfer(fd, 1, offset, heads, hb, pages, pb, rows, n);
 }
 
 /* ---------- prefix hash chains ---------- */

@@ -43,10 +43,10 @@ import time
 import numpy as np
 import torch
 
+from kvdb import native
 from kvdb.bench.ingest import PAGE64K
 from kvdb.bench.scale import _drop_dir, _open, raw_read, store_read, write_store
-from kvdb import native
-from kvdb.cold.read import READ_SLICE_BYTES, check_fields
+from kvdb.cold.read import READ_SLICE_BYTES, check_fields, run_bounds
 from kvdb.format.index_value import ENTRY_DTYPE
 from kvdb.format.record import PUT_PAYLOAD_OFFSET
 
@@ -108,7 +108,7 @@ class Store:
                 e, seg, off = _lookup(index, keys)
                 kv = np.frombuffer(b"".join(keys), dtype="V16")
                 jobs = []
-                for r0, r1 in _runs(seg, off, want):
+                for r0, r1 in run_bounds(seg, off, want):
                     for a in range(r0, r1, per):
                         z = min(r1, a + per)
                         args = (fds[int(seg[r0])], int(off[r0]) + (a - r0) * want, heads[a:z], out, rows[a:z])
@@ -137,7 +137,7 @@ class Store:
             for b in range(0, self.n, BATCH):
                 _e, seg, off = _lookup(index, self.keys[b : b + BATCH])
                 jobs = [(r1 - r0, pool.submit(os.preadv, fds[int(seg[r0])], [buf[r0 * want : r1 * want]], int(off[r0])))
-                        for r0, r1 in _runs(seg, off, want)]
+                        for r0, r1 in run_bounds(seg, off, want)]
                 for k, fut in jobs:
                     if fut.result() != k * want:
                         raise OSError("short read")
@@ -148,12 +148,6 @@ def _lookup(index, keys: list[bytes]):
     """A batch's index entries (one multi-get) as a numpy array, with their segments and offsets."""
     e = np.frombuffer(b"".join(index.get_values(keys)), dtype=ENTRY_DTYPE)
     return e, e["segment_no"].astype(np.int64), e["offset"].astype(np.int64)
-
-
-def _runs(seg: np.ndarray, off: np.ndarray, want: int) -> list[tuple[int, int]]:
-    """(first, end) entry of each run of back-to-back records of a batch."""
-    cut = (np.flatnonzero((np.diff(seg) != 0) | (np.diff(off) != want)) + 1).tolist()
-    return list(zip([0, *cut], [*cut, len(seg)]))
 
 
 def run(mib: int = 256, rounds: int = 8, dir_path: str | None = None, progress=None) -> dict:

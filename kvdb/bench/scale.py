@@ -36,6 +36,8 @@ import torch
 import kvdb
 from kvdb.bench.ingest import PAGE64K, bench_ingest
 from kvdb.bench.reopen import bench_open
+from kvdb.cold.read import run_bounds
+from kvdb.format.index_value import entry_table
 from kvdb.fs import drop_page_cache
 
 
@@ -55,15 +57,12 @@ def _open(path: str, host_pages: int):
 
 
 def _runs(entries) -> list[tuple[int, int, int, int]]:
-    """(segment, offset, bytes, records) per run of back-to-back records, in key order."""
-    runs: list[list[int]] = []
-    for e in entries:
-        if runs and runs[-1][0] == e.segment_no and runs[-1][1] + runs[-1][2] == e.offset:
-            runs[-1][2] += e.record_bytes
-            runs[-1][3] += 1
-        else:
-            runs.append([e.segment_no, e.offset, e.record_bytes, 1])
-    return [tuple(r) for r in runs]  # type: ignore[misc]
+    """(segment, offset, bytes, records) per run of back-to-back records, in key order (the
+    bench's records are all one size: kvdb/cold/read.py ``run_bounds``)."""
+    tab, _ = entry_table(entries)
+    want = int(tab["record_bytes"][0])
+    seg, off = tab["segment_no"].astype(np.int64), tab["offset"].astype(np.int64)
+    return [(int(seg[a]), int(off[a]), (z - a) * want, z - a) for a, z in run_bounds(seg, off, want)]
 
 
 def write_store(path: str, n: int, batch_pages: int):

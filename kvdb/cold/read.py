@@ -69,25 +69,18 @@ def check_slice(keys: list[bytes], entries: list, heads: np.ndarray, out: np.nda
     for the whole slice at once: ``heads`` uint8 [k, PUT_PAYLOAD_OFFSET] holds the records'
     leading bytes, ``out[rows[j]]`` the page read after head j (``out`` C-contiguous [m, page]);
     ``whole``: how many records the read returned in full (the rest are misses). The crcs run in
-    one native call (GIL released)."""
+    one native call (GIL released). ``check_fields`` with the entries as objects."""
     tab, _ = iv.entry_table(entries)
-    return check_slice_fields(keys, tab["record_bytes"].astype(np.int64), tab["crc"], tab["lsn"], heads, out, rows,
-                              whole)
+    return check_fields(np.frombuffer(b"".join(keys), dtype="V16"), tab["record_bytes"].astype(np.int64), tab["crc"],
+                        tab["lsn"], heads, out, rows, whole).tolist()
 
 
-def check_slice_fields(keys, record_bytes: np.ndarray, crcs: np.ndarray, lsns: np.ndarray,
-                       heads: np.ndarray, out: np.ndarray, rows, whole: int) -> list[bool]:
-    """``check_slice`` with the index entries' fields as arrays (``record_bytes``, ``crcs``,
-    ``lsns``: one per key, as in kvdb/format/index_value.py ``ENTRY_DTYPE``); ``keys`` a list of
-    16-byte keys or their "V16" array."""
-    return check_fields(keys, record_bytes, crcs, lsns, heads, out, rows, whole).tolist()
-
-
-def check_fields(keys, record_bytes: np.ndarray, crcs: np.ndarray, lsns: np.ndarray,
+def check_fields(kv: np.ndarray, record_bytes: np.ndarray, crcs: np.ndarray, lsns: np.ndarray,
                  heads: np.ndarray, out: np.ndarray, rows, whole: int) -> np.ndarray:
-    """``check_slice_fields``' verdicts as a bool array."""
-    k = len(keys)
-    kv = keys if isinstance(keys, np.ndarray) else np.frombuffer(b"".join(keys), dtype="V16")
+    """``check_slice``'s verdicts (a bool array) with the keys as one "V16" array and the index
+    entries' fields as arrays (``record_bytes``, ``crcs``, ``lsns``: one per key, as in
+    kvdb/format/index_value.py ``ENTRY_DTYPE``)."""
+    k = len(kv)
     h = heads[:k].view(PUT_HEAD_DTYPE).reshape(k)
     good = (h["length"].astype(np.int64) + RECORD_HEADER_BYTES == record_bytes) \
         & (h["crc"] == crcs) \
@@ -98,6 +91,13 @@ def check_fields(keys, record_bytes: np.ndarray, crcs: np.ndarray, lsns: np.ndar
     w = min(k, whole)  # the records read in full: their crcs in one native call
     good[:w] &= native.crc32c_heads_pages(heads, 8, out, rows[:w]) == h["crc"][:w]
     return good
+
+
+def run_bounds(seg: np.ndarray, off: np.ndarray, want: int) -> list[tuple[int, int]]:
+    """(first, end) of each stretch of records of ``want`` bytes lying back to back in one
+    segment, in the given order (``seg``, ``off``: int64 arrays, one per record)."""
+    cut = (np.flatnonzero((seg[1:] != seg[:-1]) | (off[1:] != off[:-1] + want)) + 1).tolist()
+    return list(zip([0, *cut], [*cut, len(seg)]))
 
 
 def plan_slices(seg: np.ndarray, off: np.ndarray, idx: np.ndarray, want: int,
@@ -111,8 +111,7 @@ def plan_slices(seg: np.ndarray, off: np.ndarray, idx: np.ndarray, want: int,
     not a whole slice. Returns (segment, offset, key indices) per slice."""
     order = np.lexsort((off, seg))  # stable: a key listed twice keeps its order
     seg, off, idx = seg[order], off[order], idx[order]
-    cut = (np.flatnonzero((seg[1:] != seg[:-1]) | (off[1:] != off[:-1] + want)) + 1).tolist()
-    runs = [(a, z) for a, z in zip([0, *cut], [*cut, len(seg)]) if z - a > 1]
+    runs = [(a, z) for a, z in run_bounds(seg, off, want) if z - a > 1]
     slices = []
     tail = max(1, TAIL_SLICE_BYTES // want)
     for r, (a, z) in enumerate(runs):
@@ -259,8 +258,7 @@ class BlockReader:
                              want, max(1, min(IOV_MAX // 2, READ_SLICE_BYTES // want)))
         if not slices:
             return
-        at_rows = np.arange(len(keys), dtype=np.int64) if type(rows) is range and rows == range(len(keys)) \
-            else np.asarray(rows, dtype=np.int64)
+        at_rows = np.arange(rows.start, rows.stop, rows.step) if type(rows) is range else np.asarray(rows, dtype=np.int64)
         kv = np.frombuffer(b"".join(keys), dtype="V16")
         pool = self._read_pool() if len(slices) > 1 else None
         pinned: dict[int, int | None] = {}
@@ -359,4 +357,4 @@ class BlockReader:
 
 
 __all__ = ["BlockReader", "READ_SLICE_BYTES", "RUN_NOT_READ", "TAIL_SLICE_BYTES", "check_fields", "check_raw", "check_slice",
-           "check_slice_fields", "plan_slices"]
+           "plan_slices", "run_bounds"]
