@@ -207,17 +207,23 @@ class BlockReader:
         ``on_ready(indices)``, when given, is told each hit once, as soon as it is checked: the
         runs' slices while later ones are still being read, then the lone records together."""
         rows = range(len(keys)) if rows is None else rows
-        state = np.full(len(keys), RUN_NOT_READ, dtype=np.int8)
-        self.read_runs(keys, entries, out, state, rows, on_ready)
-        if (state == 1).all():  # every key read in a run and checked good
-            return [True] * len(keys), len(keys), 0, 0
-        results = [None if s == RUN_NOT_READ else bool(s) for s in state.tolist()]
+        if len(keys) > 1:  # a lone key has no run: no state to keep
+            state = np.full(len(keys), RUN_NOT_READ, dtype=np.int8)
+            self.read_runs(keys, entries, out, state, rows, on_ready)
+            if (state == 1).all():  # every key read in a run and checked good
+                return [True] * len(keys), len(keys), 0, 0
+            results = state.tolist()
+        else:
+            results = [RUN_NOT_READ]
         found = [False] * len(keys)
         late = []
         hits = misses = bad = 0
         for i, (key, e) in enumerate(zip(keys, entries)):
-            ok = "absent" if e is None else results[i]
-            if ok is None:  # not in a run: read alone
+            if e is None:
+                ok = "absent"
+            elif results[i] != RUN_NOT_READ:  # read in a run: 1 good, 0 damaged
+                ok = results[i] == 1
+            else:  # not in a run: read alone
                 ok = self.read_entry(key, e, out[rows[i]])
                 if ok is None:  # its segment is gone: look again once
                     (e2,) = lookup([key])
