@@ -26,7 +26,6 @@ import os
 import shutil
 import tempfile
 import threading
-from operator import itemgetter
 from typing import Iterator
 
 import rocksdict
@@ -41,11 +40,6 @@ from kvdb.format.index_value import (
     decode_entries,
     decode_entry,
 )
-
-
-#: a write batch of at least this many ops goes to RocksDB in key order (``Index.write``)
-SORTED_WRITE_MIN = 64
-_KEY = itemgetter(0)
 
 
 def _options() -> rocksdict.Options:
@@ -146,18 +140,12 @@ class Index:
             raise map_error(e, "reading the index") from None
 
     def write(self, ops: list[tuple[bytes, bytes | None]]) -> None:
-        """Apply (key, value) puts and (key, None) deletes atomically, in order (one key's ops
-        in the order given; ops of different keys commute inside one batch)."""
+        """Apply (key, value) puts and (key, None) deletes atomically, in order."""
         if not ops:
             return
         if self._overlay is not None:  # read-only: in memory only
             self._overlay.update(ops)
             return
-        if len(ops) >= SORTED_WRITE_MIN:
-            # In key order, each memtable insert starts from where the one before ended (RocksDB's
-            # skiplist keeps that position between inserts): 0.4-1.1 us a key against 1.5-4.0 in
-            # arrival order (65,536 random keys a batch), for a stable sort of 0.4-0.6 us a key.
-            ops = sorted(ops, key=_KEY)
         wb = rocksdict.WriteBatch(raw_mode=True)
         for k, v in ops:
             if v is None:
