@@ -274,9 +274,8 @@ def preadv_rows(fd: int, offset: int, heads: np.ndarray, pages: np.ndarray, rows
     r = _check_heads_pages(heads, pages, rows, "preadv_rows", writable=True)
     if _lib is None:
         return os.preadv(fd, row_bufs(heads, pages, r.tolist()), offset)
-    got = _lib.kvdb_preadv_rows(fd, offset, _ffi.cast("uint8_t *", _ffi.from_buffer(heads, require_writable=True)),
-                                heads.shape[1], _ffi.cast("uint8_t *", _ffi.from_buffer(pages, require_writable=True)),
-                                pages.shape[1], _ptr(r, "int64_t *"), r.size)
+    got = _lib.kvdb_preadv_rows(fd, offset, _ptr(heads), heads.shape[1], _ptr(pages), pages.shape[1],
+                                _ptr(r, "int64_t *"), r.size)  # both checked writable above
     if got < 0:
         raise OSError(-got, os.strerror(-got))
     return got

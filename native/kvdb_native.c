@@ -147,7 +147,7 @@ uint32_t kvdb_crc32c(uint32_t crc, const uint8_t *p, size_t n) {
 
 /* For i < n: the CRC-32C of heads[i][start .. width), then of page frames[i] of `pages` (pages of
  * page_bytes, back to back): a record's checksummed bytes when its head and its page were read
- * into different buffers (kvdb/cold/read.py check_slice_fields). One call a slice, the GIL
+ * into different buffers (kvdb/cold/read.py check_fields). One call a slice, the GIL
  * released around it; the caller has checked every frame against the buffer. */
 void kvdb_crc32c_heads_pages(const uint8_t *heads, size_t width, size_t start, const uint8_t *pages,
                              const int64_t *frames, size_t page_bytes, size_t n, uint32_t *out) {
@@ -176,7 +176,7 @@ void kvdb_crc32c_rows(const uint8_t *rows, size_t width, size_t start, size_t nb
 #include <sys/uio.h>
 #include <unistd.h>
 
-#define KVDB_ROWS_PER_WRITEV 512
+#define KVDB_ROWS_PER_CALL 512
 
 /* iov[2j] and iov[2j + 1] := the head of record i + j (heads[(i+j)*hb .. +hb)), then its page
  * (pays[r*pb .. +pb), r = rows[i + j], or i + j when rows is NULL), for j < k. */
@@ -207,16 +207,16 @@ static void iov_advance(struct iovec **v, int *cnt, size_t done) {
 /* Move n records between fd and memory, record j being the head heads[j*hb .. +hb) then the
  * page pages[r*pb .. +pb) (r = rows[j], or j when rows is NULL): one writev (reading == 0: an
  * append, `offset` unused) or preadv from `offset` (reading == 1, the records back to back
- * there) per KVDB_ROWS_PER_WRITEV records, two iovecs each (within IOV_MAX), a short transfer
+ * there) per KVDB_ROWS_PER_CALL records, two iovecs each (within IOV_MAX), a short transfer
  * resumed where it stopped, EINTR retried. Returns the bytes moved -- a read stops early at end
  * of file, a write that makes no progress is EIO -- or -errno of the failed call (nothing after
  * it is moved). The iovecs are built here: no Python object per record. */
 static int64_t rows_transfer(int fd, int reading, int64_t offset, const uint8_t *heads, size_t hb,
                              const uint8_t *pages, size_t pb, const int64_t *rows, size_t n) {
-    struct iovec iov[2 * KVDB_ROWS_PER_WRITEV];
+    struct iovec iov[2 * KVDB_ROWS_PER_CALL];
     int64_t done = 0;
-    for (size_t i = 0; i < n; i += KVDB_ROWS_PER_WRITEV) {
-        size_t k = n - i < KVDB_ROWS_PER_WRITEV ? n - i : KVDB_ROWS_PER_WRITEV;
+    for (size_t i = 0; i < n; i += KVDB_ROWS_PER_CALL) {
+        size_t k = n - i < KVDB_ROWS_PER_CALL ? n - i : KVDB_ROWS_PER_CALL;
         rows_iov(iov, heads, hb, pages, pb, rows, i, k);
         struct iovec *v = iov;
         int cnt = (int)(2 * k);

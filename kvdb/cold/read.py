@@ -64,22 +64,15 @@ def check_raw(key: bytes, e: iv.BlockEntry, head: bytearray, row: np.ndarray) ->
     return native.crc32c(row, native.crc32c(memoryview(head)[8:])) == crc
 
 
-def check_slice(keys: list[bytes], entries: list, heads: np.ndarray, out: np.ndarray, rows, whole: int) -> list[bool]:
-    """``check_raw`` of every record of a slice read back to back, the header fields compared
-    for the whole slice at once: ``heads`` uint8 [k, PUT_PAYLOAD_OFFSET] holds the records'
-    leading bytes, ``out[rows[j]]`` the page read after head j (``out`` C-contiguous [m, page]);
-    ``whole``: how many records the read returned in full (the rest are misses). The crcs run in
-    one native call (GIL released). ``check_fields`` with the entries as objects."""
-    tab, _ = iv.entry_table(entries)
-    return check_fields(np.frombuffer(b"".join(keys), dtype="V16"), tab["record_bytes"].astype(np.int64), tab["crc"],
-                        tab["lsn"], heads, out, rows, whole).tolist()
-
-
 def check_fields(kv: np.ndarray, record_bytes: np.ndarray, crcs: np.ndarray, lsns: np.ndarray,
                  heads: np.ndarray, out: np.ndarray, rows, whole: int) -> np.ndarray:
-    """``check_slice``'s verdicts (a bool array) with the keys as one "V16" array and the index
-    entries' fields as arrays (``record_bytes``, ``crcs``, ``lsns``: one per key, as in
-    kvdb/format/index_value.py ``ENTRY_DTYPE``)."""
+    """``check_raw`` of every record of a slice read back to back, the header fields compared
+    for the whole slice at once and the crcs in one native call (GIL released): a bool array.
+    ``kv``: the keys as one "V16" array; ``record_bytes``, ``crcs``, ``lsns``: the index
+    entries' fields, one per key (as in kvdb/format/index_value.py ``ENTRY_DTYPE``); ``heads``
+    uint8 [k, PUT_PAYLOAD_OFFSET] the records' leading bytes, ``out[rows[j]]`` the page read
+    after head j (``out`` C-contiguous [m, page]); ``whole``: how many records the read
+    returned in full (the rest are misses)."""
     k = len(kv)
     h = heads[:k].view(PUT_HEAD_DTYPE).reshape(k)
     good = (h["length"].astype(np.int64) + RECORD_HEADER_BYTES == record_bytes) \
@@ -207,14 +200,13 @@ class BlockReader:
         ``on_ready(indices)``, when given, is told each hit once, as soon as it is checked: the
         runs' slices while later ones are still being read, then the lone records together."""
         rows = range(len(keys)) if rows is None else rows
-        if len(keys) > 1:  # a lone key has no run: no state to keep
-            state = np.full(len(keys), RUN_NOT_READ, dtype=np.int8)
-            self.read_runs(keys, entries, out, state, rows, on_ready)
-            if (state == 1).all():  # every key read in a run and checked good
-                return [True] * len(keys), len(keys), 0, 0
-            results = state.tolist()
+        state = self.read_runs(keys, entries, out, rows, on_ready)
+        if state is None:  # no run (a lone key, say): every key is read alone
+            results = [RUN_NOT_READ] * len(keys)
+        elif (state == 1).all():  # every key read in a run and checked good
+            return [True] * len(keys), len(keys), 0, 0
         else:
-            results = [RUN_NOT_READ]
+            results = state.tolist()
         found = [False] * len(keys)
         late = []
         hits = misses = bad = 0
@@ -242,12 +234,12 @@ class BlockReader:
             on_ready(late)
         return found, hits, misses, bad
 
-    def read_runs(self, keys, entries, out: np.ndarray, state: np.ndarray, rows=None, on_ready=None) -> None:
+    def read_runs(self, keys, entries, out: np.ndarray, rows, on_ready=None) -> np.ndarray | None:
         """Raw, unsealed pages whose records lie back to back in a segment are read with one
         preadv per run slice, straight into their rows ``out[rows[i]]`` (the same I/O a plain
-        sequential read does; the rows need not be adjacent in ``out``); ``state[i]`` becomes 1
-        (read and checked) or 0 (damaged: its row zeroed) for each key read so, and stays
-        RUN_NOT_READ for the others (absent, not raw, alone, or in a segment gone since).
+        sequential read does; the rows need not be adjacent in ``out``). Returns the state per
+        key (int8): 1 read and checked, 0 damaged (its row zeroed), RUN_NOT_READ for the others
+        (absent, not raw, alone, or in a segment gone since); None when there is no run at all.
 
         A reader thread goes through the slices back to back (the native preadv releases the
         GIL) while this thread checks the slices already read, a slice at a time
@@ -255,7 +247,7 @@ class BlockReader:
         or a promotion except the last slice's. Entries, slices and checks are arrays: no
         Python step per record."""
         if len(keys) < 2:  # no run: a lone record takes the per-entry path
-            return
+            return None
         want = PUT_PAYLOAD_OFFSET + self.page_bytes
         tab, present = iv.entry_table(entries)
         idx = np.flatnonzero(present & (tab["codec"] == Codec.RAW) & ((tab["flags"] & FLAG_SEALED) == 0)
@@ -263,7 +255,8 @@ class BlockReader:
         slices = plan_slices(tab["segment_no"][idx].astype(np.int64), tab["offset"][idx].astype(np.int64), idx,
                              want, max(1, min(IOV_MAX // 2, READ_SLICE_BYTES // want)))
         if not slices:
-            return
+            return None
+        state = np.full(len(keys), RUN_NOT_READ, dtype=np.int8)
         at_rows = np.arange(rows.start, rows.stop, rows.step) if type(rows) is range else np.asarray(rows, dtype=np.int64)
         kv = np.frombuffer(b"".join(keys), dtype="V16")
         pool = self._read_pool() if len(slices) > 1 else None
@@ -297,6 +290,7 @@ class BlockReader:
             for seg, fd in pinned.items():
                 if fd is not None:
                     self._unpin_fd(seg, fd)
+        return state
 
     def read_entry(self, key: bytes, e: iv.BlockEntry, row: np.ndarray):
         """True: row holds the page. False: damaged. None: the segment is gone (retry)."""
@@ -362,5 +356,5 @@ class BlockReader:
             self._unpin_fd(segment_no, fd)
 
 
-__all__ = ["BlockReader", "READ_SLICE_BYTES", "RUN_NOT_READ", "TAIL_SLICE_BYTES", "check_fields", "check_raw", "check_slice",
+__all__ = ["BlockReader", "READ_SLICE_BYTES", "RUN_NOT_READ", "TAIL_SLICE_BYTES", "check_fields", "check_raw",
            "plan_slices", "run_bounds"]

@@ -1,4 +1,4 @@
-"""C3 for a slice of raw records read back to back (kvdb/cold/read.py ``check_slice``): every
+"""C3 for a slice of raw records read back to back (kvdb/cold/read.py ``check_fields``): every
 field the index names is compared, for the whole slice at once, and each record's CRC-32C over
 its head and page; one bad record fails alone."""
 
@@ -9,11 +9,19 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvdb.cold.read import TAIL_SLICE_BYTES, check_slice, plan_slices
+from kvdb.cold.read import TAIL_SLICE_BYTES, check_fields, plan_slices
 from kvdb.format import index_value as iv
 from kvdb.format.record import PUT_PAYLOAD_OFFSET, RECORD_HEADER_BYTES, Codec, put_rows, seal_rows
 
 PAGE = 256
+
+
+def check_slice(keys: list[bytes], entries: list, heads: np.ndarray, out: np.ndarray, rows, whole: int) -> list[bool]:
+    """``check_fields`` with the keys as a list and the entries as BlockEntry objects, as the
+    per-entry path (``check_raw``) takes them."""
+    tab, _ = iv.entry_table(entries)
+    return check_fields(np.frombuffer(b"".join(keys), dtype="V16"), tab["record_bytes"].astype(np.int64), tab["crc"],
+                        tab["lsn"], heads, out, rows, whole).tolist()
 
 
 def _slice(n: int = 6, first_lsn: int = 40):
