@@ -50,6 +50,9 @@ class Workflow:
     # the last agent_next_start, ((now_s, llm_s, default_tool_s), result), until mark_done: every
     # planner of a guard (kvdb/planner/policies/adaptive.py) asks the same after each call
     _starts: tuple | None = field(default=None, init=False, repr=False, compare=False)
+    # what W5 needs that only mark_done changes: (llm_s, the ends of the done nodes, the pending
+    # nodes in topological order), so that a new ``now_s`` walks the pending nodes only
+    _settled: tuple | None = field(default=None, init=False, repr=False, compare=False)
 
     @classmethod
     def from_spec(cls, session_id: str, nodes: Iterable[Mapping[str, Any]], where: str = "workflow") -> "Workflow":
@@ -98,6 +101,8 @@ class Workflow:
             raise InvalidInput(f"session {self.session_id!r}: node {node_id!r} is not in its workflow")
         self._starts = None
         if now_s is not None:
+            if node_id in self.done:  # a done node's end moves: W5's settled part is computed again
+                self._settled = None
             self.done_s[node_id] = now_s
         stack = [node_id]
         while stack:
@@ -106,36 +111,64 @@ class Workflow:
                 continue
             self.done.add(nid)
             stack.extend(self.nodes[nid].deps)
+        if self._settled is not None:  # the newly done nodes were pending, and no done node descends from them
+            self._settled = self._settle(*self._settled)
 
     def agent_next_start(self, now_s: float, llm_s: float, default_tool_s: float) -> dict[str, float]:
         """W5: each agent's earliest estimated start of a pending LLM node (inf when none)."""
         key = (now_s, llm_s, default_tool_s)
         if self._starts is not None and self._starts[0] == key:
             return dict(self._starts[1])
-        end: dict[str, float] = {}
-        best: dict[str, float] = {n.agent_id: math.inf for n in self.nodes.values() if n.agent_id is not None}
-        for nid in self.order:
-            n = self.nodes[nid]
-            if nid in self.done:
-                t = self.done_s.get(nid)
-                if t is None:  # an implicit ancestor: it ended no later than its dependents
-                    t = max((end[d] for d in n.deps), default=0.0)
-                    end[nid] = t
-                else:
-                    end[nid] = t + (llm_s if n.kind == "llm" else 0.0)
-                continue
-            start = max((end[d] for d in n.deps), default=now_s)
+        settled = self._settled
+        if settled is None or settled[0] != llm_s:
+            best = {n.agent_id: math.inf for n in self.nodes.values() if n.agent_id is not None}
+            settled = self._settled = self._settle(llm_s, {}, [self.nodes[nid] for nid in self.order], best)
+        _, end, pending, best = settled
+        end = dict(end)  # the done nodes' ends; the pending ones' are added below
+        best = dict(best)
+        for n in pending:  # deps first: every dep's end is known when its node comes up
+            start = now_s
+            first = True
+            for d in n.deps:
+                e = end[d]
+                if first or e > start:
+                    start = e
+                    first = False
             if n.kind == "tool":
                 dur = n.expected_duration_s if n.expected_duration_s is not None else default_tool_s
-                end[nid] = max(now_s, start + dur)
+                end[n.id] = now_s if now_s > start + dur else start + dur
             else:
-                start = max(start, now_s)
-                end[nid] = start + llm_s
+                if now_s > start:
+                    start = now_s
+                end[n.id] = start + llm_s
                 a = n.agent_id
                 if a is not None and start < best[a]:
                     best[a] = start
         self._starts = (key, best)
         return dict(best)
+
+    def _settle(self, llm_s: float, end: dict[str, float], pending: list[Node], best: dict[str, float]) -> tuple:
+        """W5's part that does not depend on ``now_s``: ``(llm_s, the end of every done node, the
+        pending nodes in order, every agent at inf)``, from the last one (its nodes done since
+        are moved from ``pending`` to ``end``, in order: their deps are done before them)."""
+        left = []
+        for n in pending:
+            if n.id not in self.done:
+                left.append(n)
+                continue
+            t = self.done_s.get(n.id)
+            if t is None:  # an implicit ancestor: it ended no later than its dependents
+                t = 0.0
+                first = True
+                for d in n.deps:
+                    e = end[d]
+                    if first or e > t:
+                        t = e
+                        first = False
+            else:
+                t = t + (llm_s if n.kind == "llm" else 0.0)
+            end[n.id] = t
+        return llm_s, end, left, best
 
     def steps(self) -> dict[str, int]:
         """Steps to execution of every pending node (W3)."""
