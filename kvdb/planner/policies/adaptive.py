@@ -66,6 +66,7 @@ from collections.abc import Hashable, Sequence
 from typing import Any
 
 from kvdb.buffer_pool.replacer import AccessContext, Replacer
+from kvdb.compiled import copy_fields
 from kvdb.planner.events import SessionBegan
 from kvdb.planner.policies.agentplans import PINNED
 from kvdb.planner.policies.lru import LruReplacer
@@ -162,12 +163,13 @@ class _Mini:
         return hit
 
 
-class AdaptiveReplacer(Replacer):
-    name = "kvdb"
+class AdaptiveCore:
+    """AdaptiveReplacer's state and methods (compiled when the extension is built: adaptive.pxd
+    types the fields its per-access methods read)."""
 
     def __init__(self, num_frames: int, llm_call_s: float | None = None, sample_rate: float = SAMPLE_RATE,
                  candidates: Sequence[str] = CANDIDATES, capacity_frames: int | None = None) -> None:
-        super().__init__(num_frames)
+        Replacer.__init__(self, num_frames)
         opts = {} if llm_call_s is None else {"llm_call_s": llm_call_s}
         self.planner = PlannedReplacer(num_frames, **opts)
         self._lru = LruReplacer(num_frames)
@@ -177,6 +179,7 @@ class AdaptiveReplacer(Replacer):
         c = max(1, capacity_frames if capacity_frames is not None else num_frames)
         self.rate = min(1.0, max(0.0, sample_rate, MIN_MINI_BLOCKS / c))
         self._threshold = int(self.rate * (1 << 32))
+        self._all = self.rate >= 1.0  # every block is sampled: no hash to take
         self._shadow = self.rate >= 1.0 and self.mode in candidates  # G1: the tier is the mini of its own ordering
         # at rate 1 a mini has the tier's frames: it takes every call the tier takes, as the
         # tier's own hits (G1) do, so that no call counts for the ordering in force alone
@@ -207,6 +210,9 @@ class AdaptiveReplacer(Replacer):
         self.epochs = 0
         self.switches = 0
 
+    def __deepcopy__(self, memo: dict) -> AdaptiveCore:
+        return copy_fields(self, memo)  # compiled, the fields are not in ``__dict__``
+
     # -- the interface ------------------------------------------------------------------
     def record_access(self, frames, ids=None, ctx: AccessContext | None = None) -> None:
         if self._evicted_since_access:
@@ -223,7 +229,7 @@ class AdaptiveReplacer(Replacer):
             if k == 0:
                 run = False
                 self._resident += 1
-                k = known[f] = 2 if ids is not None and sample_hash(ids[j]) < self._threshold else 1
+                k = known[f] = 2 if ids is not None and (self._all or sample_hash(ids[j]) < self._threshold) else 1
                 if self._shadow and ids is not None:
                     self._ids[f] = ids[j]
             elif run:
@@ -378,3 +384,7 @@ class AdaptiveReplacer(Replacer):
         if name.startswith("debug_"):
             return getattr(self.planner, name)
         raise AttributeError(name)
+
+
+class AdaptiveReplacer(AdaptiveCore, Replacer):
+    name = "kvdb"

@@ -1,5 +1,7 @@
 cimport cython
 
+cdef int _ABSENT, _LISTED, _PINNED
+
 cdef class AgentPlans:
     cdef public Py_ssize_t num_frames  # Replacer.__init__ sets it
     cdef public list _interest, _fwho, _fplan, _aplan, _aexp, _id, _sess, _gd

@@ -39,8 +39,8 @@ agent of their own, ``(session, HINT)``.
 
 from __future__ import annotations
 
-import heapq
 import math
+from heapq import heapify, heappop, heappush, heapreplace
 from array import array
 from collections.abc import Hashable
 
@@ -48,6 +48,7 @@ from kvdb.compiled import copy_fields
 from kvdb.planner.policies.nextuse import deadline
 
 ABSENT, LISTED, PINNED = 0, 1, 2  # frame states (PlannedReplacer's ``_state``; defined here, below it)
+_ABSENT, _LISTED, _PINNED = ABSENT, LISTED, PINNED  # typed in agentplans.pxd: compiled, a C compare
 HINT = ("<session hint>",)  # the agent name of a session's hint plans (never an agent id: not a str)
 
 Agent = tuple[str, Hashable]
@@ -123,10 +124,10 @@ class AgentPlans:
         self._ft[f] = t
         pv = self._pver[f] + 1
         self._pver[f] = pv
-        heapq.heappush(self._fplan, (-t, -self._depth[f], pv, f))
+        heappush(self._fplan, (-t, -self._depth[f], pv, f))
         if len(self._fplan) > 4 * self.num_frames + 64:
             self._fplan = [e for e in self._fplan if self._pver[e[3]] == e[2]]
-            heapq.heapify(self._fplan)
+            heapify(self._fplan)
 
     def _shared_moved(self, f: int, agent: Agent, t: float) -> None:
         """Agent's finite plan moved to finite ``t``; f is a planned frame it shares: O(1)
@@ -208,7 +209,7 @@ class AgentPlans:
         self._pver[f] += 1
 
     def _live(self, f: int, i: int) -> bool:
-        return self._inc[f] == i and self._state[f] != ABSENT
+        return self._inc[f] == i and self._state[f] != _ABSENT
 
     # -- agents --------------------------------------------------------------------------
     def _chain_changed(self, agent: Agent) -> None:
@@ -229,14 +230,14 @@ class AgentPlans:
         self._seq += 1
         s = self._agent_seq[agent] = self._seq
         self._agent_cur[agent] = len(self._agent_chain.get(agent, ())) - 1
-        heapq.heappush(self._aplan, (-t, -math.inf, s, agent))  # its depth is keyed when it comes up
-        heapq.heappush(self._aexp, (self._agent_dl[agent], s, agent))
+        heappush(self._aplan, (-t, -math.inf, s, agent))  # its depth is keyed when it comes up
+        heappush(self._aexp, (self._agent_dl[agent], s, agent))
         if len(self._aplan) > 4 * len(self._agent_seq) + 64:
             self._aplan = [e for e in self._aplan if self._agent_seq.get(e[3]) == e[2]]
-            heapq.heapify(self._aplan)
+            heapify(self._aplan)
         if len(self._aexp) > 4 * len(self._agent_seq) + 64:
             self._aexp = [e for e in self._aexp if self._agent_seq.get(e[2]) == e[1]]
-            heapq.heapify(self._aexp)
+            heapify(self._aexp)
 
     def _plan_agent(self, agent: Agent, t: float | None, now: float, dl: float | None = None) -> None:
         """Plan (t) or release (None) the agent's interest in every block of its last chain."""
@@ -252,7 +253,7 @@ class AgentPlans:
         if old is None or agent not in self._clean or (old == math.inf) != (t == math.inf):
             inc, state, leaf = self._inc, self._state, self._leaf
             for f, i in chain:
-                if inc[f] != i or state[f] == ABSENT or leaf[f]:
+                if inc[f] != i or state[f] == _ABSENT or leaf[f]:
                     continue
                 self._add_interest(f, agent, t, old)
             self._clean.add(agent)
@@ -285,7 +286,7 @@ class AgentPlans:
         """Drop the plans whose deadline passed: they proved wrong."""
         exp = self._aexp
         while exp and exp[0][0] < now:
-            _, s, agent = heapq.heappop(exp)
+            _, s, agent = heappop(exp)
             if self._agent_seq.get(agent) == s:
                 self._drop_plan(agent)
 
@@ -298,9 +299,9 @@ class AgentPlans:
             negt, negd, s, agent = heap[0]
             f = self._scan(agent) if seq.get(agent) == s else None
             if f is None:
-                heapq.heappop(heap)
+                heappop(heap)
             elif -negd != self._depth[f]:  # keyed by the depth of its deepest plannable block
-                heapq.heapreplace(heap, (negt, -self._depth[f], s, agent))
+                heapreplace(heap, (negt, -self._depth[f], s, agent))
             else:
                 best = (-negt, self._depth[f], f)
                 break
@@ -318,13 +319,13 @@ class AgentPlans:
         inc, state, planned, interest = self._inc, self._state, self._planned, self._interest
         while i >= 0:
             f, k = chain[i]
-            if inc[f] != k or state[f] == ABSENT:
+            if inc[f] != k or state[f] == _ABSENT:
                 if i == len(chain) - 1:
                     chain.pop()  # a dead tail: gone for good
                 i -= 1
                 continue
             d = interest[f]
-            if state[f] == PINNED or not planned[f] or not d or len(d) > 1 or agent not in d:
+            if state[f] == _PINNED or not planned[f] or not d or len(d) > 1 or agent not in d:
                 i -= 1  # shared frames are on the frames' heap; a pinned one is looked at again once unpinned
                 continue
             self._agent_cur[agent] = i
@@ -342,21 +343,21 @@ class AgentPlans:
         while heap:
             e = heap[0]
             f = e[-1]
-            if ver[f] != e[-2] or state[f] == ABSENT or flag[f] != want:
-                heapq.heappop(heap)
+            if ver[f] != e[-2] or state[f] == _ABSENT or flag[f] != want:
+                heappop(heap)
                 continue
-            if state[f] == PINNED:
-                stash.append(heapq.heappop(heap))
+            if state[f] == _PINNED:
+                stash.append(heappop(heap))
                 continue
             found = e
             break
         for e in stash:
-            heapq.heappush(heap, e)
+            heappush(heap, e)
         return found
 
     def debug_plan(self, frame: int) -> float | None:
         """The frame's planned next use, None when it is not planned (tests only)."""
-        if not self._planned[frame] or self._state[frame] == ABSENT:
+        if not self._planned[frame] or self._state[frame] == _ABSENT:
             return None
         return self._plan_of(frame)
 

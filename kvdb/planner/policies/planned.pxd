@@ -2,6 +2,9 @@ cimport cython
 from kvdb.planner.policies.agentplans cimport AgentPlans
 from kvdb.planner.policies.reuse cimport ReuseEstimator
 
+cdef int _ABSENT, _LISTED, _PINNED
+cdef long long _VALUE_CAP
+
 cdef class PlannedCore(AgentPlans):
     cdef public long long _tick, _count
     cdef public double _lam, _Lc, _L, _tc, _now

@@ -47,8 +47,8 @@ hints (no peeking; tests/sim check it).
 
 from __future__ import annotations
 
-import heapq
 import math
+from heapq import heapify, heappush
 from array import array
 from collections.abc import Hashable
 from typing import Any
@@ -67,6 +67,8 @@ from kvdb.planner.policies.nextuse import LLM_CALL_S, NextUseEstimator, hint_pla
 from kvdb.planner.policies.reuse import ReuseEstimator
 
 VALUE_CAP = 64
+_VALUE_CAP = VALUE_CAP
+_ABSENT, _LISTED, _PINNED = ABSENT, LISTED, PINNED  # typed in planned.pxd: compiled, a C compare
 TC_ALPHA = 0.05  # EWMA weight in Tc of one victim's age (or a spared block's, T1)
 REPLAN_TOLERANCE_S = 0.5
 HALF_LIFE_TICKS = 1000.0  # crf: half-life of a block's recency-frequency, in record_access calls
@@ -125,15 +127,15 @@ class PlannedCore(AgentPlans):
     def _push_gd(self, f: int) -> None:
         v = self._ver[f] + 1
         self._ver[f] = v
-        heapq.heappush(self._gd, (self._key[f], -self._depth[f], v, f))
+        heappush(self._gd, (self._key[f], -self._depth[f], v, f))
         if len(self._gd) > 4 * self.num_frames + 64:
             self._rebuild_gd()
 
     def _rebuild_gd(self) -> None:
         key = self._key
         self._gd = [(key[g], -self._depth[g], self._ver[g], g) for g in range(self.num_frames)
-                    if self._state[g] != ABSENT and not self._planned[g]]
-        heapq.heapify(self._gd)
+                    if self._state[g] != _ABSENT and not self._planned[g]]
+        heapify(self._gd)
 
     def set_unplanned(self, mode: str) -> None:
         """Order unplanned blocks by GreedyDual value (``gd``) or by decayed recency-frequency
@@ -240,9 +242,9 @@ class PlannedCore(AgentPlans):
         tick, crf, tick_of, hc, lam = self._tick, self._crf, self._tick_of, self._hc, self._lam
         for j, f in enumerate(frames):
             bid = ids[j] if ids is not None else None
-            if state[f] == ABSENT or hits[f] == 0:
-                if state[f] == ABSENT:
-                    state[f] = LISTED
+            if state[f] == _ABSENT or hits[f] == 0:
+                if state[f] == _ABSENT:
+                    state[f] = _LISTED
                     self._count += 1
                 n = (reuse.recall(bid, now) if bid is not None else 0) + 1
                 c, t0 = reuse.recalled if n > 1 and reuse.recalled is not None else (0.0, tick)
@@ -274,7 +276,7 @@ class PlannedCore(AgentPlans):
                     self._h[f] = L + reuse.first_value(k1) * prio
                 else:
                     kls[f] = -1
-                    self._h[f] = L + reuse.value(n, VALUE_CAP) * prio
+                    self._h[f] = L + reuse.value(n, _VALUE_CAP) * prio
             self._own(f, sid)
             if agent is not None and self._planned[f]:
                 pass  # its interested agents re-plan it (at CallFinished, or from on_call below)
@@ -325,10 +327,10 @@ class PlannedCore(AgentPlans):
                 self._returns[event.session_id] = plan[0]
             prio = event.hints.get("priority")
             own = [f for f in sorted(self._session_frames.get(event.session_id, ()))
-                   if self._state[f] != ABSENT and not self._leaf[f] and not self._shared[f]]
+                   if self._state[f] != _ABSENT and not self._leaf[f] and not self._shared[f]]
             for f in own:
                 if prio is not None:
-                    self._h[f] = self._L + self._reuse.value(self._hits[f], VALUE_CAP) * (1 + prio)
+                    self._h[f] = self._L + self._reuse.value(self._hits[f], _VALUE_CAP) * (1 + prio)
                     self._hc[f] = self._lam * self._tick_of[f] + math.log2(self._crf[f] * (1 + prio))
                 if plan is None and not self._planned[f]:
                     self._push_gd(f)
@@ -347,7 +349,7 @@ class PlannedCore(AgentPlans):
                 self._forget_agent(key)
             for f in sorted(self._session_frames.pop(event.session_id, ())):
                 self._sess[f] = None
-                if self._state[f] == ABSENT or self._shared[f]:
+                if self._state[f] == _ABSENT or self._shared[f]:
                     continue
                 self._h[f] = self._hc[f] = -math.inf
                 if self._planned[f]:
@@ -382,9 +384,9 @@ class PlannedCore(AgentPlans):
         return f
 
     def _forget(self, f: int) -> None:
-        if self._state[f] == LISTED:
+        if self._state[f] == _LISTED:
             self._count -= 1
-        self._state[f] = ABSENT
+        self._state[f] = _ABSENT
         self._ver[f] += 1
         self._planned[f] = 0
         bid = self._id[f]
@@ -407,8 +409,8 @@ class PlannedCore(AgentPlans):
     def set_evictable(self, frame: int, evictable: bool) -> None:
         self._check(frame)
         s = self._state[frame]
-        if evictable and s == PINNED:
-            self._state[frame] = LISTED
+        if evictable and s == _PINNED:
+            self._state[frame] = _LISTED
             self._count += 1
             if self._hits[frame] == 0:  # pinned before its first access: give it a key and an age
                 self._hits[frame] = 1
@@ -418,18 +420,18 @@ class PlannedCore(AgentPlans):
                 self._push_gd(frame)
             elif self._planned[frame]:
                 self._unpinned(frame)
-        elif not evictable and s == LISTED:
-            self._state[frame] = PINNED
+        elif not evictable and s == _LISTED:
+            self._state[frame] = _PINNED
             self._count -= 1
-        elif not evictable and s == ABSENT:
-            self._state[frame] = PINNED
+        elif not evictable and s == _ABSENT:
+            self._state[frame] = _PINNED
             self._hits[frame] = 0
             self._id[frame] = None
             self._sess[frame] = None
 
     def remove(self, frame: int) -> None:
         self._check(frame)
-        if self._state[frame] != ABSENT:
+        if self._state[frame] != _ABSENT:
             self._forget(frame)
 
     def num_evictable(self) -> int:
