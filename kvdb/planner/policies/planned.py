@@ -361,10 +361,10 @@ class PlannedCore(AgentPlans):
         now = self._now
         self._expire_plans(now)
         g = self._top_live(self._gd, self._ver, self._planned, 0)
-        p = self._planned_victim()
+        p = None
         if g is not None and g[0] <= (self._Lc if self._use_crf else self._L):
             f = g[-1]  # junk (a call's last block, an ended session) or aged out: first to go
-        elif p is not None and (g is None or p[0] - now > self._tc):
+        elif (p := self._planned_victim()) is not None and (g is None or p[0] - now > self._tc):
             f = p[1]
             if g is not None:  # the unplanned block this spared has outlived Tc: Tc learns it (T1)
                 age = now - self._last_s[g[-1]]
