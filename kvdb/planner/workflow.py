@@ -127,13 +127,7 @@ class Workflow:
         end = dict(end)  # the done nodes' ends; the pending ones' are added below
         best = dict(best)
         for n in pending:  # deps first: every dep's end is known when its node comes up
-            start = now_s
-            first = True
-            for d in n.deps:
-                e = end[d]
-                if first or e > start:
-                    start = e
-                    first = False
+            start = _latest_end(end, n.deps, now_s)
             if n.kind == "tool":
                 dur = n.expected_duration_s if n.expected_duration_s is not None else default_tool_s
                 end[n.id] = now_s if now_s > start + dur else start + dur
@@ -158,13 +152,7 @@ class Workflow:
                 continue
             t = self.done_s.get(n.id)
             if t is None:  # an implicit ancestor: it ended no later than its dependents
-                t = 0.0
-                first = True
-                for d in n.deps:
-                    e = end[d]
-                    if first or e > t:
-                        t = e
-                        first = False
+                t = _latest_end(end, n.deps, 0.0)
             else:
                 t = t + (llm_s if n.kind == "llm" else 0.0)
             end[n.id] = t
@@ -188,6 +176,18 @@ class Workflow:
             if a is not None and s < best[a]:
                 best[a] = s
         return best
+
+
+def _latest_end(end: dict[str, float], deps: tuple[str, ...], default: float) -> float:
+    """The latest end among ``deps`` (``default`` when there are none), as ``max`` picks it."""
+    t = default
+    first = True
+    for d in deps:
+        e = end[d]
+        if first or e > t:
+            t = e
+            first = False
+    return t
 
 
 def _topological_order(nodes: Mapping[str, Node], where: str) -> list[str]:
