@@ -40,9 +40,9 @@ agent of their own, ``(session, HINT)``.
 from __future__ import annotations
 
 import math
-from heapq import heapify, heappop, heappush, heapreplace
 from array import array
 from collections.abc import Hashable
+from heapq import heapify, heappop, heappush, heapreplace
 
 from kvdb.compiled import copy_fields
 from kvdb.planner.policies.nextuse import deadline

@@ -48,9 +48,9 @@ hints (no peeking; tests/sim check it).
 from __future__ import annotations
 
 import math
-from heapq import heapify, heappush
 from array import array
 from collections.abc import Hashable
+from heapq import heapify, heappush
 from typing import Any
 
 from kvdb.buffer_pool.replacer import AccessContext, Replacer
@@ -67,8 +67,7 @@ from kvdb.planner.policies.nextuse import LLM_CALL_S, NextUseEstimator, hint_pla
 from kvdb.planner.policies.reuse import ReuseEstimator
 
 VALUE_CAP = 64
-_VALUE_CAP = VALUE_CAP
-_ABSENT, _LISTED, _PINNED = ABSENT, LISTED, PINNED  # typed in planned.pxd: compiled, a C compare
+_ABSENT, _LISTED, _PINNED, _VALUE_CAP = ABSENT, LISTED, PINNED, VALUE_CAP  # typed in planned.pxd: compiled, C compares
 TC_ALPHA = 0.05  # EWMA weight in Tc of one victim's age (or a spared block's, T1)
 REPLAN_TOLERANCE_S = 0.5
 HALF_LIFE_TICKS = 1000.0  # crf: half-life of a block's recency-frequency, in record_access calls
@@ -361,7 +360,6 @@ class PlannedCore(AgentPlans):
         now = self._now
         self._expire_plans(now)
         g = self._top_live(self._gd, self._ver, self._planned, 0)
-        p = None
         if g is not None and g[0] <= (self._Lc if self._use_crf else self._L):
             f = g[-1]  # junk (a call's last block, an ended session) or aged out: first to go
         elif (p := self._planned_victim()) is not None and (g is None or p[0] - now > self._tc):
