@@ -50,8 +50,8 @@ class Workflow:
     # the last agent_next_start, ((now_s, llm_s, default_tool_s), result), until mark_done: every
     # planner of a guard (kvdb/planner/policies/adaptive.py) asks the same after each call
     _starts: tuple | None = field(default=None, init=False, repr=False, compare=False)
-    # what W5 needs that only mark_done changes: (llm_s, the ends of the done nodes, the pending
-    # nodes in topological order), so that a new ``now_s`` walks the pending nodes only
+    # what W5 needs that only mark_done changes (``_settle``), so that a new ``now_s`` walks the
+    # pending nodes only
     _settled: tuple | None = field(default=None, init=False, repr=False, compare=False)
 
     @classmethod
