@@ -50,9 +50,10 @@ class Workflow:
     # the last agent_next_start, ((now_s, llm_s, default_tool_s), result), until mark_done: every
     # planner of a guard (kvdb/planner/policies/adaptive.py) asks the same after each call
     _starts: tuple | None = field(default=None, init=False, repr=False, compare=False)
-    # what W5 needs that only mark_done changes (``_settle``), so that a new ``now_s`` walks the
-    # pending nodes only
-    _settled: tuple | None = field(default=None, init=False, repr=False, compare=False)
+    # per llm_s, what W5 needs that only mark_done changes (``_settle``), so that a new ``now_s``
+    # walks the pending nodes only; one per llm_s asked (the engine's Db asks with 0, its planners
+    # with their call time)
+    _settled: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @classmethod
     def from_spec(cls, session_id: str, nodes: Iterable[Mapping[str, Any]], where: str = "workflow") -> "Workflow":
@@ -102,7 +103,7 @@ class Workflow:
         self._starts = None
         if now_s is not None:
             if node_id in self.done:  # a done node's end moves: W5's settled part is computed again
-                self._settled = None
+                self._settled.clear()
             self.done_s[node_id] = now_s
         stack = [node_id]
         while stack:
@@ -111,19 +112,19 @@ class Workflow:
                 continue
             self.done.add(nid)
             stack.extend(self.nodes[nid].deps)
-        if self._settled is not None:  # the newly done nodes were pending, and no done node descends from them
-            self._settled = self._settle(*self._settled)
+        for llm_s, kept in self._settled.items():  # the newly done nodes were pending, and no done node descends from them
+            self._settled[llm_s] = self._settle(llm_s, *kept)
 
     def agent_next_start(self, now_s: float, llm_s: float, default_tool_s: float) -> dict[str, float]:
         """W5: each agent's earliest estimated start of a pending LLM node (inf when none)."""
         key = (now_s, llm_s, default_tool_s)
         if self._starts is not None and self._starts[0] == key:
             return dict(self._starts[1])
-        settled = self._settled
-        if settled is None or settled[0] != llm_s:
+        kept = self._settled.get(llm_s)
+        if kept is None:
             best = {n.agent_id: math.inf for n in self.nodes.values() if n.agent_id is not None}
-            settled = self._settled = self._settle(llm_s, {}, [self.nodes[nid] for nid in self.order], best)
-        _, end, pending, best = settled
+            kept = self._settled[llm_s] = self._settle(llm_s, {}, [self.nodes[nid] for nid in self.order], best)
+        end, pending, best = kept
         end = dict(end)  # the done nodes' ends; the pending ones' are added below
         best = dict(best)
         for n in pending:  # deps first: every dep's end is known when its node comes up
@@ -142,9 +143,9 @@ class Workflow:
         return dict(best)
 
     def _settle(self, llm_s: float, end: dict[str, float], pending: list[Node], best: dict[str, float]) -> tuple:
-        """W5's part that does not depend on ``now_s``: ``(llm_s, the end of every done node, the
-        pending nodes in order, every agent at inf)``, from the last one (its nodes done since
-        are moved from ``pending`` to ``end``, in order: their deps are done before them)."""
+        """W5's part that does not depend on ``now_s``, for one ``llm_s``: ``(the end of every done
+        node, the pending nodes in order, every agent at inf)``, from the last one (its nodes done
+        since are moved from ``pending`` to ``end``, in order: their deps are done before them)."""
         left = []
         for n in pending:
             if n.id not in self.done:
@@ -156,7 +157,7 @@ class Workflow:
             else:
                 t = t + (llm_s if n.kind == "llm" else 0.0)
             end[n.id] = t
-        return llm_s, end, left, best
+        return end, left, best
 
     def steps(self) -> dict[str, int]:
         """Steps to execution of every pending node (W3)."""

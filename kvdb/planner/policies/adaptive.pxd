@@ -24,7 +24,7 @@ cdef class AdaptiveCore:
     cdef public double rate, _seen
     cdef public long long _threshold, _since, epochs, switches
     cdef public Py_ssize_t _resident
-    cdef public bint _shadow, _all, _nowf_later, _evicted_since_access
+    cdef public bint _shadow, _nowf_later, _evicted_since_access
     cdef public dict _minis, _pd, _pv
     cdef public list _mode_counts, _ids
     cdef public unsigned char[:] _known

@@ -179,7 +179,6 @@ class AdaptiveCore:
         c = max(1, capacity_frames if capacity_frames is not None else num_frames)
         self.rate = min(1.0, max(0.0, sample_rate, MIN_MINI_BLOCKS / c))
         self._threshold = int(self.rate * (1 << 32))
-        self._all = self.rate >= 1.0  # every block is sampled: no hash to take
         self._shadow = self.rate >= 1.0 and self.mode in candidates  # G1: the tier is the mini of its own ordering
         # at rate 1 a mini has the tier's frames: it takes every call the tier takes, as the
         # tier's own hits (G1) do, so that no call counts for the ordering in force alone
@@ -229,7 +228,8 @@ class AdaptiveCore:
             if k == 0:
                 run = False
                 self._resident += 1
-                k = known[f] = 2 if ids is not None and (self._all or sample_hash(ids[j]) < self._threshold) else 1
+                # sampled? (at rate 1 every block is: no hash taken)
+                k = known[f] = 2 if ids is not None and (self.rate >= 1.0 or sample_hash(ids[j]) < self._threshold) else 1
                 if self._shadow and ids is not None:
                     self._ids[f] = ids[j]
             elif run:
