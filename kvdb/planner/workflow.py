@@ -112,8 +112,8 @@ class Workflow:
                 continue
             self.done.add(nid)
             stack.extend(self.nodes[nid].deps)
-        for llm_s, kept in self._settled.items():  # the newly done nodes were pending, and no done node descends from them
-            self._settled[llm_s] = self._settle(llm_s, *kept)
+        for llm_s, (end, pending, best) in self._settled.items():  # the newly done nodes were pending, and no done node descends from them
+            self._settled[llm_s] = (end, self._settle(llm_s, end, pending), best)
 
     def agent_next_start(self, now_s: float, llm_s: float, default_tool_s: float) -> dict[str, float]:
         """W5: each agent's earliest estimated start of a pending LLM node (inf when none)."""
@@ -122,8 +122,9 @@ class Workflow:
             return dict(self._starts[1])
         kept = self._settled.get(llm_s)
         if kept is None:
-            best = {n.agent_id: math.inf for n in self.nodes.values() if n.agent_id is not None}
-            kept = self._settled[llm_s] = self._settle(llm_s, {}, [self.nodes[nid] for nid in self.order], best)
+            end = {}
+            kept = self._settled[llm_s] = (end, self._settle(llm_s, end, [self.nodes[nid] for nid in self.order]),
+                                           {n.agent_id: math.inf for n in self.nodes.values() if n.agent_id is not None})
         end, pending, best = kept
         end = dict(end)  # the done nodes' ends; the pending ones' are added below
         best = dict(best)
@@ -142,10 +143,11 @@ class Workflow:
         self._starts = (key, best)
         return dict(best)
 
-    def _settle(self, llm_s: float, end: dict[str, float], pending: list[Node], best: dict[str, float]) -> tuple:
-        """W5's part that does not depend on ``now_s``, for one ``llm_s``: ``(the end of every done
-        node, the pending nodes in order, every agent at inf)``, from the last one (its nodes done
-        since are moved from ``pending`` to ``end``, in order: their deps are done before them)."""
+    def _settle(self, llm_s: float, end: dict[str, float], pending: list[Node]) -> list[Node]:
+        """W5's part that does not depend on ``now_s``, for one ``llm_s``: the nodes of ``pending``
+        (in order) that are done now get their end in ``end``, in order (their deps are done
+        before them); the ones still pending are returned. ``_settled`` keeps, per ``llm_s``, (the
+        end of every done node, the pending nodes in order, every agent at inf)."""
         left = []
         for n in pending:
             if n.id not in self.done:
@@ -157,7 +159,7 @@ class Workflow:
             else:
                 t = t + (llm_s if n.kind == "llm" else 0.0)
             end[n.id] = t
-        return end, left, best
+        return left
 
     def steps(self) -> dict[str, int]:
         """Steps to execution of every pending node (W3)."""
