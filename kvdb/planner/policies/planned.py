@@ -71,6 +71,8 @@ _ABSENT, _LISTED, _PINNED, _VALUE_CAP = ABSENT, LISTED, PINNED, VALUE_CAP  # typ
 TC_ALPHA = 0.05  # EWMA weight in Tc of one victim's age (or a spared block's, T1)
 REPLAN_TOLERANCE_S = 0.5
 HALF_LIFE_TICKS = 1000.0  # crf: half-life of a block's recency-frequency, in record_access calls
+ORPHAN_WINDOW = 2048.0  # O1: orphan and revival counts are halved when the orphans pass this (a memory of ~2-4k)
+ORPHAN_JUNK_P = 0.05  # O1: below this learned P(an orphan is read again), an orphan is junk (at the floor)
 
 
 class PlannedCore(AgentPlans):
@@ -114,6 +116,11 @@ class PlannedCore(AgentPlans):
         self._inc = array("q", [0]) * n  # incarnation: bumped each time the frame is freed
         self._init_plans(n)  # agents' chains, plans and interests (kvdb.planner.policies.agentplans)
         self._sess_agents: dict[str, dict[tuple, None]] = {}  # session -> its agents with a last chain
+        self._orph = bytearray(n)  # O1: 1 while the frame's block is an orphan
+        self._orph_ids: dict[Hashable, None] = {}  # evicted orphans' ids, oldest first (at most 4 n + 64)
+        self._orph_pending: dict[tuple, list] = {}  # agent -> links its call in progress left out (O1)
+        self._orph_n = 0.0  # orphans made (halved past ORPHAN_WINDOW)
+        self._orph_r = 0.0  # orphans read again
         self._next = NextUseEstimator(llm_call_s)  # when each agent calls next
         self._next.use_workflows = bool(workflows)
         self.set_unplanned(unplanned)
@@ -223,14 +230,25 @@ class PlannedCore(AgentPlans):
             if not new_call:
                 self._agent_chain.setdefault(agent, []).extend(links)
             else:
+                if self._orph_pending:  # the agent's previous call never finished: decide its leftovers now
+                    left = self._orph_pending.pop(agent, None)
+                    if left:
+                        self._orphan(agent, left)
                 old = self._agent_chain.get(agent)
                 self._agent_chain[agent] = links
                 self._sess_agents.setdefault(sid, {})[agent] = None
                 if old:  # the agent moved on: it no longer waits for blocks left out of its new chain
                     keep = set(frames)
+                    left = []
                     for f, i in old:
                         if inc[f] == i and f not in keep:
                             self._drop_interest(f, agent)
+                            left.append((f, i))
+                    if left:  # orphans once the whole call is known (O1): at CallFinished, or now without one
+                        if agent[1] is None:
+                            self._orphan(agent, left)
+                        else:
+                            self._orph_pending[agent] = left
             self._chain_changed(agent)
         L = self._L
         kls = self._kls
@@ -246,6 +264,9 @@ class PlannedCore(AgentPlans):
                     state[f] = _LISTED
                     self._count += 1
                 n = (reuse.recall(bid, now) if bid is not None else 0) + 1
+                if self._orph_ids and bid in self._orph_ids:  # an evicted orphan is read again (O1)
+                    del self._orph_ids[bid]
+                    self._orph_r += 1
                 c, t0 = reuse.recalled if n > 1 and reuse.recalled is not None else (0.0, tick)
                 self._id[f] = bid
                 self._planned[f] = 0
@@ -254,6 +275,9 @@ class PlannedCore(AgentPlans):
             else:
                 n = hits[f] + 1
                 reuse.observe_gap(now - self._last_s[f])
+                if self._orph[f]:  # a resident orphan is read again (O1)
+                    self._orph[f] = 0
+                    self._orph_r += 1
                 c, t0 = crf[f], tick_of[f]
                 if kls[f] >= 0:
                     reuse.seen_again(kls[f])
@@ -291,6 +315,39 @@ class PlannedCore(AgentPlans):
         if reuse.epoch_due():
             reuse.update(self._tc)
 
+    def _orphan(self, agent: tuple, left: list) -> None:
+        """O1: blocks the agent's new call left out of its chain, that no other agent plans and no
+        other session read, are orphans: their value is scaled by the learned P(an orphan is read
+        again), (revived + 1) / (orphaned + 2)."""
+        inc, state = self._inc, self._state
+        chain = {f for f, _ in self._agent_chain.get(agent, ())}
+        p = (self._orph_r + 1.0) / (self._orph_n + 2.0)
+        junk = p < ORPHAN_JUNK_P
+        lp = math.log2(p)
+        L = self._L
+        for f, i in left:
+            if (inc[f] != i or state[f] != _LISTED or f in chain or self._planned[f] or self._shared[f]
+                    or self._leaf[f] or self._orph[f] or self._interest[f]):
+                continue
+            self._orph[f] = 1
+            self._orph_n += 1
+            if junk:
+                self._h[f] = L
+                self._hc[f] = self._Lc
+            else:
+                if self._h[f] > L:
+                    self._h[f] = L + (self._h[f] - L) * p
+                self._hc[f] += lp
+            self._push_gd(f)
+        if self._orph_n > ORPHAN_WINDOW:
+            self._orph_n *= 0.5
+            self._orph_r *= 0.5
+
+    def orphan_reuse(self) -> dict[str, float]:
+        """O1's estimate for EXPLAIN: orphans made and read again (decayed) and P(read again)."""
+        return {"orphaned": self._orph_n, "revived": self._orph_r,
+                "p_revive": (self._orph_r + 1.0) / (self._orph_n + 2.0)}
+
     def sampled_call(self, call_blocks: int, ends_call: bool) -> None:
         """The next ``record_access`` is a spatial sample of a call of ``call_blocks`` blocks
         (a guard's mini cache, kvdb/planner/policies/adaptive.py); ``ends_call`` says whether
@@ -310,6 +367,11 @@ class PlannedCore(AgentPlans):
         elif isinstance(event, CallFinished):
             self._now = max(self._now, event.now_s)
             sid = event.session_id
+            if self._orph_pending:
+                key = (sid, self._next.agent_of(sid, event.node_id, event.agent_id))
+                left = self._orph_pending.pop(key, None)
+                if left:
+                    self._orphan(key, left)
             starts = self._next.call_finished(sid, event.node_id, self._now)
             if starts is not None:
                 me = self._next.agent_of(sid, event.node_id, event.agent_id)
@@ -346,6 +408,7 @@ class PlannedCore(AgentPlans):
             self._next.end(event.session_id, [a for a in agents if a[1] is not HINT])
             for key in agents:
                 self._forget_agent(key)
+                self._orph_pending.pop(key, None)
             for f in sorted(self._session_frames.pop(event.session_id, ())):
                 self._sess[f] = None
                 if self._state[f] == _ABSENT or self._shared[f]:
@@ -394,6 +457,13 @@ class PlannedCore(AgentPlans):
         self._hits[f] = 0
         self._kls[f] = -1
         self._inc[f] += 1
+        if self._orph[f]:
+            self._orph[f] = 0
+            if bid is not None:
+                ids = self._orph_ids
+                ids[bid] = None
+                if len(ids) > 4 * self.num_frames + 64:
+                    del ids[next(iter(ids))]
         self._forget_frame(f)
         sid = self._sess[f]
         if sid is not None:
