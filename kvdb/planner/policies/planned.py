@@ -23,7 +23,8 @@ Each resident block is in one of two classes:
   its call length class's learned P(seen again) over the overall one instead of 1.
 
 Victim order: expired plans are demoted; then (1) an unplanned block at or below the floor L
-(junk: last blocks, ended sessions, aged out); (2) the planned block with the furthest
+(junk: last blocks, ended sessions, aged out, orphans once O1 learned they are not read
+again); (2) the planned block with the furthest
 ``t_next`` if that lies beyond ``Tc`` (EWMA of the age of unplanned victims, and of the ones (2)
 spares, T1: a block not
 needed within Tc would not survive anyway) or nothing unplanned is left; (3) the unplanned
@@ -36,6 +37,11 @@ T1  Tc follows the unplanned blocks that (2) spares too: when the one (3) would 
     far longer (agentic-mix seed 702 at 0.5 %, the planner with workflows turned off at a fifth
     of the trace, as the guard does: 0.34 hit ratio from then on, against 0.52 over the same
     calls for the planner that never had them).
+
+O1  Orphans: blocks an agent's new call left out of its last chain (a chain break), that no
+    other agent's chain holds and no other session read, are worth their value times the learned
+    P(an orphan is read again) = (revived + 1) / (orphaned + 2); under ORPHAN_JUNK_P they are
+    junk (H = L). Decided when the whole call is known (CallFinished). docs/planner.md, "Orphans".
 
 Plans are kept per agent (kvdb.planner.policies.agentplans): a block only its agent wants
 follows that agent's one heap entry, so re-planning an agent costs O(log agents) plus its
@@ -424,7 +430,7 @@ class PlannedCore(AgentPlans):
         self._expire_plans(now)
         g = self._top_live(self._gd, self._ver, self._planned, 0)
         if g is not None and g[0] <= (self._Lc if self._use_crf else self._L):
-            f = g[-1]  # junk (a call's last block, an ended session) or aged out: first to go
+            f = g[-1]  # junk (a call's last block, an ended session, an orphan) or aged out: first to go
         elif (p := self._planned_victim()) is not None and (g is None or p[0] - now > self._tc):
             f = p[1]
             if g is not None:  # the unplanned block this spared has outlived Tc: Tc learns it (T1)
