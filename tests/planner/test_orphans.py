@@ -1,13 +1,13 @@
-"""Orphans (kvdb/planner/policies/planned.py, O1): blocks an agent's new call left out of its
-chain, that no other agent plans and no other session read, are worth their value times the
-learned P(an orphan is read again); below ORPHAN_JUNK_P they are junk and go first."""
+"""Orphans (kvdb/planner/policies/orphans.py and planned.py, O1): blocks an agent's new call
+left out of its chain, that no other agent plans and no other session read, are worth their
+value times the learned P(an orphan is read again); below JUNK_P they are junk and go first."""
 
 from __future__ import annotations
 
 import pytest
 
 from kvdb.planner.policies import make_policy
-from kvdb.planner.policies.planned import ORPHAN_JUNK_P
+from kvdb.planner.policies.orphans import JUNK_P
 from kvdb.planner.sessions import Planner
 
 
@@ -47,9 +47,9 @@ def test_orphans_that_are_never_read_again_become_junk_and_go_first():
         b = 100 + 3 * i
         _call(r, p, "s", "a", [0, b, b + 1, b + 2], 1.0 + i)
     est = r.orphan_reuse()
-    assert est["orphaned"] == 22 and est["revived"] == 0 and est["p_revive"] < ORPHAN_JUNK_P
+    assert est["orphaned"] == 22 and est["revived"] == 0 and est["p_revive"] < JUNK_P
     _call(r, p, "s", "a", [0, 200, 201, 202], 20.0)
-    last = (133, 134)  # the previous call's own blocks, orphaned by this one at P < ORPHAN_JUNK_P
+    last = (133, 134)  # the previous call's own blocks, orphaned by this one at P < JUNK_P
     assert [r.debug_value(f) for f in last] == [0.0, 0.0]
     assert r.debug_value(400) > 0 and r.debug_value(401) > 0
     order = []
@@ -106,6 +106,16 @@ def test_a_session_that_ends_drops_its_pending_orphans():
     p.end_session("s", now_s=3.0)
     assert r._orph_pending == {}
     assert r.orphan_reuse()["orphaned"] == 0.0
+
+
+def test_a_session_hint_does_not_plan_its_orphans():
+    r, p = _planner()
+    _call(r, p, "s", "a", [0, 1, 2, 3], 1.0)
+    _call(r, p, "s", "a", [0, 5, 6, 7], 2.0)  # orphans 1 and 2
+    assert r._orph[1] and r._orph[2]
+    p.hint("s", now_s=3.0, expected_tool_duration_s=30.0)  # the session waits on a tool: its own blocks are planned
+    assert r.debug_plan(5) is not None and r.debug_plan(6) is not None
+    assert r.debug_plan(1) is None and r.debug_plan(2) is None
 
 
 def test_the_guard_reports_the_estimate():

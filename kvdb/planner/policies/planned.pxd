@@ -1,6 +1,7 @@
 cimport cython
 from kvdb.planner.policies.agentplans cimport AgentPlans
 from kvdb.planner.policies.reuse cimport ReuseEstimator
+from kvdb.planner.policies.orphans cimport OrphanEstimator
 
 cdef int _ABSENT, _LISTED, _PINNED
 cdef long long _VALUE_CAP
@@ -10,9 +11,9 @@ cdef class PlannedCore(AgentPlans):
     cdef public double _lam, _Lc, _L, _tc, _now
     cdef public ReuseEstimator _reuse
     cdef public object _sampled, _current, _next, unplanned
-    cdef public dict _session_frames, _returns, _sess_agents, _orph_ids, _orph_pending
+    cdef public dict _session_frames, _returns, _sess_agents, _orph_pending
     cdef public unsigned char[:] _orph
-    cdef public double _orph_n, _orph_r
+    cdef public OrphanEstimator _orphans
     cdef public bint _chain_open, _use_crf
 
     cdef _rebuild_gd(self)
@@ -24,5 +25,5 @@ cdef class PlannedCore(AgentPlans):
     @cython.locals(f=cython.Py_ssize_t, now=cython.double, age=cython.double)
     cpdef evict(self)
     cdef _forget(self, Py_ssize_t f)
-    @cython.locals(f=cython.Py_ssize_t, i=cython.longlong, p=cython.double, lp=cython.double, L=cython.double, junk=cython.bint)
+    @cython.locals(f=cython.Py_ssize_t, i=cython.longlong, p=cython.double, lp=cython.double, L=cython.double, junk=cython.bint, k=cython.longlong)
     cdef _orphan(self, tuple agent, list left)

@@ -38,10 +38,9 @@ T1  Tc follows the unplanned blocks that (2) spares too: when the one (3) would 
     of the trace, as the guard does: 0.34 hit ratio from then on, against 0.52 over the same
     calls for the planner that never had them).
 
-O1  Orphans: blocks an agent's new call left out of its last chain (a chain break), that no
-    other agent's chain holds and no other session read, are worth their value times the learned
-    P(an orphan is read again) = (revived + 1) / (orphaned + 2); under ORPHAN_JUNK_P they are
-    junk (H = L). Decided when the whole call is known (CallFinished). docs/planner.md, "Orphans".
+O1  Orphans (kvdb.planner.policies.orphans): blocks an agent's new call left out of its chain
+    are worth their value times the learned P(read again), junk under JUNK_P; decided at
+    CallFinished, when the whole call is known.
 
 Plans are kept per agent (kvdb.planner.policies.agentplans): a block only its agent wants
 follows that agent's one heap entry, so re-planning an agent costs O(log agents) plus its
@@ -70,6 +69,7 @@ from kvdb.planner.events import (
 )
 from kvdb.planner.policies.agentplans import ABSENT, HINT, LISTED, PINNED, AgentPlans
 from kvdb.planner.policies.nextuse import LLM_CALL_S, NextUseEstimator, hint_plan
+from kvdb.planner.policies.orphans import JUNK_P, OrphanEstimator
 from kvdb.planner.policies.reuse import ReuseEstimator
 
 VALUE_CAP = 64
@@ -77,8 +77,6 @@ _ABSENT, _LISTED, _PINNED, _VALUE_CAP = ABSENT, LISTED, PINNED, VALUE_CAP  # typ
 TC_ALPHA = 0.05  # EWMA weight in Tc of one victim's age (or a spared block's, T1)
 REPLAN_TOLERANCE_S = 0.5
 HALF_LIFE_TICKS = 1000.0  # crf: half-life of a block's recency-frequency, in record_access calls
-ORPHAN_WINDOW = 2048.0  # O1: orphan and revival counts are halved when the orphans pass this (a memory of ~2-4k)
-ORPHAN_JUNK_P = 0.05  # O1: below this learned P(an orphan is read again), an orphan is junk (at the floor)
 
 
 class PlannedCore(AgentPlans):
@@ -123,10 +121,8 @@ class PlannedCore(AgentPlans):
         self._init_plans(n)  # agents' chains, plans and interests (kvdb.planner.policies.agentplans)
         self._sess_agents: dict[str, dict[tuple, None]] = {}  # session -> its agents with a last chain
         self._orph = bytearray(n)  # O1: 1 while the frame's block is an orphan
-        self._orph_ids: dict[Hashable, None] = {}  # evicted orphans' ids, oldest first (at most 4 n + 64)
+        self._orphans = OrphanEstimator(n)
         self._orph_pending: dict[tuple, list] = {}  # agent -> links its call in progress left out (O1)
-        self._orph_n = 0.0  # orphans made (halved past ORPHAN_WINDOW)
-        self._orph_r = 0.0  # orphans read again
         self._next = NextUseEstimator(llm_call_s)  # when each agent calls next
         self._next.use_workflows = bool(workflows)
         self.set_unplanned(unplanned)
@@ -270,9 +266,7 @@ class PlannedCore(AgentPlans):
                     state[f] = _LISTED
                     self._count += 1
                 n = (reuse.recall(bid, now) if bid is not None else 0) + 1
-                if self._orph_ids and bid in self._orph_ids:  # an evicted orphan is read again (O1)
-                    del self._orph_ids[bid]
-                    self._orph_r += 1
+                self._orphans.recalled(bid)  # an evicted orphan read again counts (O1)
                 c, t0 = reuse.recalled if n > 1 and reuse.recalled is not None else (0.0, tick)
                 self._id[f] = bid
                 self._planned[f] = 0
@@ -283,7 +277,7 @@ class PlannedCore(AgentPlans):
                 reuse.observe_gap(now - self._last_s[f])
                 if self._orph[f]:  # a resident orphan is read again (O1)
                     self._orph[f] = 0
-                    self._orph_r += 1
+                    self._orphans.read_again()
                 c, t0 = crf[f], tick_of[f]
                 if kls[f] >= 0:
                     reuse.seen_again(kls[f])
@@ -323,20 +317,20 @@ class PlannedCore(AgentPlans):
 
     def _orphan(self, agent: tuple, left: list) -> None:
         """O1: blocks the agent's new call left out of its chain, that no other agent plans and no
-        other session read, are orphans: their value is scaled by the learned P(an orphan is read
-        again), (revived + 1) / (orphaned + 2)."""
+        other session read, are orphans, valued by the learned P(an orphan is read again)."""
         inc, state = self._inc, self._state
         chain = {f for f, _ in self._agent_chain.get(agent, ())}
-        p = (self._orph_r + 1.0) / (self._orph_n + 2.0)
-        junk = p < ORPHAN_JUNK_P
+        p = self._orphans.p()
+        junk = p < JUNK_P
         lp = math.log2(p)
         L = self._L
+        k = 0
         for f, i in left:
             if (inc[f] != i or state[f] != _LISTED or f in chain or self._planned[f] or self._shared[f]
                     or self._leaf[f] or self._orph[f] or self._interest[f]):
                 continue
             self._orph[f] = 1
-            self._orph_n += 1
+            k += 1
             if junk:
                 self._h[f] = L
                 self._hc[f] = self._Lc
@@ -345,14 +339,11 @@ class PlannedCore(AgentPlans):
                     self._h[f] = L + (self._h[f] - L) * p
                 self._hc[f] += lp
             self._push_gd(f)
-        if self._orph_n > ORPHAN_WINDOW:
-            self._orph_n *= 0.5
-            self._orph_r *= 0.5
+        self._orphans.made(k)
 
     def orphan_reuse(self) -> dict[str, float]:
         """O1's estimate for EXPLAIN: orphans made and read again (decayed) and P(read again)."""
-        return {"orphaned": self._orph_n, "revived": self._orph_r,
-                "p_revive": (self._orph_r + 1.0) / (self._orph_n + 2.0)}
+        return self._orphans.describe()
 
     def sampled_call(self, call_blocks: int, ends_call: bool) -> None:
         """The next ``record_access`` is a spatial sample of a call of ``call_blocks`` blocks
@@ -394,7 +385,7 @@ class PlannedCore(AgentPlans):
                 self._returns[event.session_id] = plan[0]
             prio = event.hints.get("priority")
             own = [f for f in sorted(self._session_frames.get(event.session_id, ()))
-                   if self._state[f] != _ABSENT and not self._leaf[f] and not self._shared[f]]
+                   if self._state[f] != _ABSENT and not self._leaf[f] and not self._shared[f] and not self._orph[f]]
             for f in own:
                 if prio is not None:
                     self._h[f] = self._L + self._reuse.value(self._hits[f], _VALUE_CAP) * (1 + prio)
@@ -466,10 +457,7 @@ class PlannedCore(AgentPlans):
         if self._orph[f]:
             self._orph[f] = 0
             if bid is not None:
-                ids = self._orph_ids
-                ids[bid] = None
-                if len(ids) > 4 * self.num_frames + 64:
-                    del ids[next(iter(ids))]
+                self._orphans.evicted(bid)
         self._forget_frame(f)
         sid = self._sess[f]
         if sid is not None:

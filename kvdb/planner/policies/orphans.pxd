@@ -1,0 +1,12 @@
+cimport cython
+
+cdef class OrphanEstimator:
+    cdef public double orphaned, revived
+    cdef public dict _ids
+    cdef public Py_ssize_t _cap
+
+    cpdef double p(self)
+    cpdef made(self, long long k)
+    cpdef read_again(self)
+    cpdef evicted(self, object bid)
+    cpdef bint recalled(self, object bid)
