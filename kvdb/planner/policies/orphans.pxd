@@ -9,4 +9,4 @@ cdef class OrphanEstimator:
     cpdef made(self, long long k)
     cpdef read_again(self)
     cpdef evicted(self, object bid)
-    cpdef bint recalled(self, object bid)
+    cpdef recalled(self, object bid)

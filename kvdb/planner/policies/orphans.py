@@ -49,13 +49,11 @@ class OrphanEstimator:
         if len(ids) > self._cap:
             del ids[next(iter(ids))]
 
-    def recalled(self, bid: Hashable) -> bool:
-        """A block read after its eviction: True (and counted) when it was an evicted orphan."""
+    def recalled(self, bid: Hashable) -> None:
+        """A block read after its eviction: counted when it was an evicted orphan."""
         if self._ids and bid in self._ids:
             del self._ids[bid]
             self.revived += 1.0
-            return True
-        return False
 
     def describe(self) -> dict[str, float]:
         return {"orphaned": self.orphaned, "revived": self.revived, "p_revive": self.p()}

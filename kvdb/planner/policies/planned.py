@@ -245,7 +245,8 @@ class PlannedCore(AgentPlans):
                     for f, i in old:
                         if inc[f] == i and f not in keep:
                             self._drop_interest(f, agent)
-                            left.append((f, i))
+                            if not self._leaf[f] and not self._shared[f]:  # never orphans (O1): most calls leave only their leaf
+                                left.append((f, i))
                     if left:  # orphans once the whole call is known (O1): at CallFinished, or now without one
                         if agent[1] is None:
                             self._orphan(agent, left)
