@@ -361,13 +361,15 @@ class AdaptiveCore:
     # -- what it learned ------------------------------------------------------------------
     def describe(self) -> dict[str, Any]:
         """The guard's state for EXPLAIN: the ordering in force, each candidate's sampled hit ratio
-        and the tier planner's learned P(an orphaned block is read again) (kvdb/planner/policies/planned.py, O1)."""
+        and the tier planner's learned P(an orphaned block is read again) (kvdb/planner/policies/planned.py, O1)
+        and P(an agent's first call reads the prefix its kind read in sessions like its own) (N1)."""
         return {
             "mode": self.mode,
             "switches": self.switches,
             "sample_rate": self.rate,
             "learned_capacity_blocks": self._cap,
             "orphans": self.planner.orphan_reuse(),
+            "newcomers": self.planner.newcomer_reuse(),
             "candidates": {c: {"sampled_accesses": a, "sampled_hit_ratio": h / a if a else None}
                            for c, (h, a) in self._counts().items()},
         }

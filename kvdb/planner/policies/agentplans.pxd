@@ -1,4 +1,5 @@
 cimport cython
+from kvdb.planner.policies.newcomers cimport SessionPrefixes
 
 cdef int _ABSENT, _LISTED, _PINNED
 
@@ -9,7 +10,8 @@ cdef class AgentPlans:
     cdef public double[:] _ft, _h, _hc, _key, _crf, _last_s
     cdef public int[:] _depth, _kls
     cdef public unsigned char[:] _state, _planned, _leaf, _shared
-    cdef public dict _agent_shared, _agent_chain, _agent_plan, _agent_dl, _agent_seq, _agent_cur
+    cdef public dict _agent_shared, _agent_chain, _agent_plan, _agent_dl, _agent_seq, _agent_cur, _sess_agents
+    cdef public SessionPrefixes _prefixes
     cdef public set _clean
     cdef public long long _seq
 
@@ -34,6 +36,9 @@ cdef class AgentPlans:
     cpdef _plan_agent(self, object agent, object t, double now, object dl=*)
     @cython.locals(f=cython.Py_ssize_t, i=cython.longlong)
     cdef _drop_plan(self, object agent)
+    cpdef _replan(self, object sid, dict starts, double now, object changed=*)
+    @cython.locals(same=cython.bint, p=cython.double)
+    cdef _plan_newcomer(self, tuple key, double t, double now)
     cdef _forget_agent(self, object agent)
     cpdef _expire_plans(self, double now)
     cdef _planned_victim(self)

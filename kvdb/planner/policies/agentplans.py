@@ -34,7 +34,9 @@ Invariants
         entries follow every change of their agents' plans.
 
 Pseudo-agents: session-wide hints (``HintGiven``) plan the session's private frames through an
-agent of their own, ``(session, HINT)``.
+agent of their own, ``(session, HINT)``. Provisional chains (N1, kvdb.planner.policies.newcomers):
+an agent of a workflow that has not called yet is planned, for its estimated start, to read the
+prefix its kind read in sessions like its own; its first call replaces that chain.
 """
 
 from __future__ import annotations
@@ -45,10 +47,12 @@ from collections.abc import Hashable
 from heapq import heapify, heappop, heappush, heapreplace
 
 from kvdb.compiled import copy_fields
+from kvdb.planner.policies.newcomers import SessionPrefixes
 from kvdb.planner.policies.nextuse import deadline
 
 ABSENT, LISTED, PINNED = 0, 1, 2  # frame states (PlannedReplacer's ``_state``; defined here, below it)
 _ABSENT, _LISTED, _PINNED = ABSENT, LISTED, PINNED  # typed in agentplans.pxd: compiled, a C compare
+REPLAN_TOLERANCE_S = 0.5  # an agent whose estimate moved less keeps its plan
 HINT = ("<session hint>",)  # the agent name of a session's hint plans (never an agent id: not a str)
 
 Agent = tuple[str, Hashable]
@@ -56,7 +60,7 @@ Agent = tuple[str, Hashable]
 
 class AgentPlans:
     """Mixin of PlannedReplacer: its frames' arrays (``_state``, ``_inc``, ``_leaf``,
-    ``_shared``, ``_planned``, ``_ver``, ``_h``, ``_hc``), ``_agent_chain`` and ``_push_gd``."""
+    ``_shared``, ``_planned``, ``_ver``, ``_h``, ``_hc``) and ``_push_gd``."""
 
     def _init_plans(self, n: int) -> None:
         self._interest: list[dict | None] = [None] * n  # agents whose last chain holds the frame
@@ -74,6 +78,8 @@ class AgentPlans:
         self._aplan: list[tuple] = []  # (-t, -depth, seq, agent): furthest first, then deepest
         self._aexp: list[tuple] = []  # (deadline, seq, agent): earliest first
         self._seq = 0
+        self._sess_agents: dict[str, dict[tuple, None]] = {}  # session -> its agents with a last chain
+        self._prefixes = SessionPrefixes()  # N1: what agents that have not called yet will read
 
     def _push_gd(self, f: int) -> None:
         raise NotImplementedError  # PlannedCore's (declared here: compiled, the base calls it directly)
@@ -264,6 +270,51 @@ class AgentPlans:
                 else:
                     self._frame_update(f)
         self._restart_scan(agent)
+
+    def _replan(self, sid: str, starts: dict[str, float], now: float, changed: tuple | None = None) -> None:
+        """Plan each agent's last chain for its next node's estimated start (W5, ``starts``).
+
+        Only agents whose estimate moved by more than REPLAN_TOLERANCE_S are re-planned, and
+        ``changed``, the agent whose chain was just replaced (whatever its estimate did).
+        """
+        prov = self._prefixes.provisional
+        for agent, t in starts.items():
+            key = (sid, agent)
+            if not self._agent_chain.get(key) or key in prov:
+                if not self._prefixes.called(key):
+                    self._plan_newcomer(key, t, now)
+                continue
+            old = self._agent_plan.get(key)
+            if key != changed and old is not None and (old == t or abs(old - t) <= REPLAN_TOLERANCE_S):
+                continue
+            self._plan_agent(key, t, now)
+
+    def _plan_newcomer(self, key: tuple, t: float, now: float) -> None:
+        """N1: an agent that has not called yet, starting at ``t``, is planned to read its session's
+        prefix through a provisional chain (kvdb.planner.policies.newcomers)."""
+        links = self._prefixes.prefix(key)
+        prov = self._prefixes.provisional
+        if t == math.inf or not links:
+            if key in prov:
+                prov.discard(key)
+                self._forget_agent(key)
+            return
+        old = self._agent_plan.get(key)
+        same = key in prov and self._agent_chain.get(key) == links
+        if same and old is None:  # its plan expired before it called: a newcomer that did not read it (yet)
+            self._prefixes.missed()
+        p = self._prefixes.p()
+        t = now + (t - now) / (p * p) if t > now else t
+        if same:
+            if old is None or abs(old - t) > REPLAN_TOLERANCE_S:
+                self._plan_agent(key, t, now)
+            return
+        self._drop_plan(key)
+        self._agent_chain[key] = list(links)
+        prov.add(key)
+        self._sess_agents.setdefault(key[0], {})[key] = None
+        self._chain_changed(key)
+        self._plan_agent(key, t, now)
 
     def _drop_plan(self, agent: Agent) -> None:
         """The agent's plan is gone (released, expired): its frames lose its interest."""

@@ -11,7 +11,7 @@ cdef class PlannedCore(AgentPlans):
     cdef public double _lam, _Lc, _L, _tc, _now
     cdef public ReuseEstimator _reuse
     cdef public object _sampled, _current, _next, unplanned
-    cdef public dict _session_frames, _returns, _sess_agents, _orph_pending
+    cdef public dict _session_frames, _returns, _orph_pending
     cdef public unsigned char[:] _orph
     cdef public OrphanEstimator _orphans
     cdef public bint _chain_open, _use_crf

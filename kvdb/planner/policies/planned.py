@@ -75,7 +75,6 @@ from kvdb.planner.policies.reuse import ReuseEstimator
 VALUE_CAP = 64
 _ABSENT, _LISTED, _PINNED, _VALUE_CAP = ABSENT, LISTED, PINNED, VALUE_CAP  # typed in planned.pxd: compiled, C compares
 TC_ALPHA = 0.05  # EWMA weight in Tc of one victim's age (or a spared block's, T1)
-REPLAN_TOLERANCE_S = 0.5
 HALF_LIFE_TICKS = 1000.0  # crf: half-life of a block's recency-frequency, in record_access calls
 
 
@@ -119,7 +118,6 @@ class PlannedCore(AgentPlans):
         self._chain_open = False  # whether the current call already started its agent's chain
         self._inc = array("q", [0]) * n  # incarnation: bumped each time the frame is freed
         self._init_plans(n)  # agents' chains, plans and interests (kvdb.planner.policies.agentplans)
-        self._sess_agents: dict[str, dict[tuple, None]] = {}  # session -> its agents with a last chain
         self._orph = bytearray(n)  # O1: 1 while the frame's block is an orphan
         self._orphans = OrphanEstimator(n)
         self._orph_pending: dict[tuple, list] = {}  # agent -> links its call in progress left out (O1)
@@ -180,21 +178,6 @@ class PlannedCore(AgentPlans):
         if sid is not None:
             self._session_frames.setdefault(sid, set()).add(f)
 
-    def _replan(self, sid: str, starts: dict[str, float], now: float, changed: tuple | None = None) -> None:
-        """Plan each agent's last chain for its next node's estimated start (W5, ``starts``).
-
-        Only agents whose estimate moved by more than REPLAN_TOLERANCE_S are re-planned, and
-        ``changed``, the agent whose chain was just replaced (whatever its estimate did).
-        """
-        for agent, t in starts.items():
-            key = (sid, agent)
-            if not self._agent_chain.get(key):
-                continue
-            old = self._agent_plan.get(key)
-            if key != changed and old is not None and (old == t or abs(old - t) <= REPLAN_TOLERANCE_S):
-                continue
-            self._plan_agent(key, t, now)
-
     # -- Replacer -----------------------------------------------------------------------
     def record_access(self, frames, ids=None, ctx: AccessContext | None = None) -> None:
         self._check_frames(frames)
@@ -242,10 +225,13 @@ class PlannedCore(AgentPlans):
                 if old:  # the agent moved on: it no longer waits for blocks left out of its new chain
                     keep = set(frames)
                     left = []
+                    prov = agent in self._prefixes.provisional  # a newcomer's first call (N1): no orphans
+                    if prov:
+                        self._prefixes.provisional.discard(agent)
                     for f, i in old:
                         if inc[f] == i and f not in keep:
                             self._drop_interest(f, agent)
-                            if not self._leaf[f] and not self._shared[f]:  # never orphans (O1): most calls leave only their leaf
+                            if not prov and not self._leaf[f] and not self._shared[f]:  # never orphans (O1): most calls leave only their leaf
                                 left.append((f, i))
                     if left:  # orphans once the whole call is known (O1): at CallFinished, or now without one
                         if agent[1] is None:
@@ -346,6 +332,10 @@ class PlannedCore(AgentPlans):
         """O1's estimate for EXPLAIN: orphans made and read again (decayed) and P(read again)."""
         return self._orphans.describe()
 
+    def newcomer_reuse(self) -> dict[str, float]:
+        """N1's estimate for EXPLAIN: agents' first calls, those that read their session's prefix, P(read)."""
+        return self._prefixes.describe()
+
     def sampled_call(self, call_blocks: int, ends_call: bool) -> None:
         """The next ``record_access`` is a spatial sample of a call of ``call_blocks`` blocks
         (a guard's mini cache, kvdb/planner/policies/adaptive.py); ``ends_call`` says whether
@@ -373,6 +363,11 @@ class PlannedCore(AgentPlans):
             starts = self._next.call_finished(sid, event.node_id, self._now)
             if starts is not None:
                 me = self._next.agent_of(sid, event.node_id, event.agent_id)
+                chain = self._agent_chain.get((sid, me))
+                if chain and (sid, me) not in self._prefixes.provisional:  # the session's prefix (N1)
+                    inc, state, ids = self._inc, self._state, self._id
+                    self._prefixes.observe((sid, me), chain, [ids[f] if inc[f] == i and state[f] != _ABSENT else None
+                                                              for f, i in chain])
                 if "expected_tool_duration_s" in event.hints or self._next.looping():
                     # the call waits on a tool and its agent goes on after it (a ReAct loop inside
                     # its node): its own plan is the hint's, from on_call, not its next node's start
@@ -404,9 +399,11 @@ class PlannedCore(AgentPlans):
             self._returns.pop(event.session_id, None)
             agents = list(self._sess_agents.pop(event.session_id, ()))
             self._next.end(event.session_id, [a for a in agents if a[1] is not HINT])
+            self._prefixes.end(event.session_id)
             for key in agents:
                 self._forget_agent(key)
                 self._orph_pending.pop(key, None)
+                self._prefixes.provisional.discard(key)
             for f in sorted(self._session_frames.pop(event.session_id, ())):
                 self._sess[f] = None
                 if self._state[f] == _ABSENT or self._shared[f]:
