@@ -290,8 +290,8 @@ class AgentPlans:
             self._plan_agent(key, t, now)
 
     def _plan_newcomer(self, key: tuple, t: float, now: float) -> None:
-        """N1: an agent that has not called yet, starting at ``t``, is planned to read its session's
-        prefix through a provisional chain (kvdb.planner.policies.newcomers)."""
+        """N1: an agent that has not called yet, starting at ``t``, is planned to read the prefix its
+        kind read in sessions like its own, through a provisional chain (kvdb.planner.policies.newcomers)."""
         links = self._prefixes.prefix(key)
         prov = self._prefixes.provisional
         if t == math.inf or not links:

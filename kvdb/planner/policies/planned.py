@@ -333,7 +333,7 @@ class PlannedCore(AgentPlans):
         return self._orphans.describe()
 
     def newcomer_reuse(self) -> dict[str, float]:
-        """N1's estimate for EXPLAIN: agents' first calls, those that read their session's prefix, P(read)."""
+        """N1's estimate for EXPLAIN: agents' first calls scored, those that read their role's prefix, P(read)."""
         return self._prefixes.describe()
 
     def sampled_call(self, call_blocks: int, ends_call: bool) -> None:
@@ -364,7 +364,7 @@ class PlannedCore(AgentPlans):
             if starts is not None:
                 me = self._next.agent_of(sid, event.node_id, event.agent_id)
                 chain = self._agent_chain.get((sid, me))
-                if chain and (sid, me) not in self._prefixes.provisional:  # the session's prefix (N1)
+                if chain and (sid, me) not in self._prefixes.provisional:  # its role's prefix (N1)
                     inc, state, ids = self._inc, self._state, self._id
                     self._prefixes.observe((sid, me), chain, [ids[f] if inc[f] == i and state[f] != _ABSENT else None
                                                               for f, i in chain])
