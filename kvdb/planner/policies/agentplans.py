@@ -48,7 +48,7 @@ from heapq import heapify, heappop, heappush, heapreplace
 
 from kvdb.compiled import copy_fields
 from kvdb.planner.policies.newcomers import SessionPrefixes
-from kvdb.planner.policies.nextuse import deadline
+from kvdb.planner.policies.nextuse import deadline, stretched
 
 ABSENT, LISTED, PINNED = 0, 1, 2  # frame states (PlannedReplacer's ``_state``; defined here, below it)
 _ABSENT, _LISTED, _PINNED = ABSENT, LISTED, PINNED  # typed in agentplans.pxd: compiled, a C compare
@@ -303,8 +303,8 @@ class AgentPlans:
         same = key in prov and self._agent_chain.get(key) == links
         if same and old is None:  # its plan expired before it called: a newcomer that did not read it (yet)
             self._prefixes.missed()
-        p = self._prefixes.p()
-        t = now + (t - now) / (p * p) if t > now else t
+        if t > now:
+            t = stretched(t, now, self._prefixes.p())
         if same:
             if old is None or abs(old - t) > REPLAN_TOLERANCE_S:
                 self._plan_agent(key, t, now)

@@ -70,7 +70,6 @@ class SessionPrefixes:
         prefix and shrinks it to what the call shares with it; a call that read it all refreshes
         its frames."""
         sid, name = agent
-        self.provisional.discard(agent)
         if not ids or ids[0] is None:
             return
         sig = self._sig.get(sid)

@@ -67,6 +67,12 @@ def hint_plan(hints: dict[str, Any], now: float) -> tuple[float, float] | None:
     return None
 
 
+def stretched(t: float, now: float, p: float) -> float:
+    """An estimate ``t`` whose outcome has chance ``p``: its distance from now over p ** 2, so an
+    unlikely next use ranks as a later one."""
+    return now + (t - now) / (p * p)
+
+
 def deadline(t: float, now: float) -> float:
     """Until when a plan for ``t`` made at ``now`` stands."""
     return t + PLAN_SLACK_FACTOR * max(0.0, t - now) + PLAN_SLACK_S
@@ -247,7 +253,7 @@ class NextUseEstimator:
         if r is None and not fan_in:
             return None
         t = base + (r or 0.0)
-        return now + (t - now) / g.p_next(ctxs) ** 2
+        return stretched(t, now, g.p_next(ctxs))
 
     # -- both -----------------------------------------------------------------------------
     def end(self, session_id: str, agents) -> None:

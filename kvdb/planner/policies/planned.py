@@ -355,14 +355,13 @@ class PlannedCore(AgentPlans):
         elif isinstance(event, CallFinished):
             self._now = max(self._now, event.now_s)
             sid = event.session_id
+            me = self._next.agent_of(sid, event.node_id, event.agent_id)
             if self._orph_pending:
-                key = (sid, self._next.agent_of(sid, event.node_id, event.agent_id))
-                left = self._orph_pending.pop(key, None)
+                left = self._orph_pending.pop((sid, me), None)
                 if left:
-                    self._orphan(key, left)
+                    self._orphan((sid, me), left)
             starts = self._next.call_finished(sid, event.node_id, self._now)
             if starts is not None:
-                me = self._next.agent_of(sid, event.node_id, event.agent_id)
                 chain = self._agent_chain.get((sid, me))
                 if chain and (sid, me) not in self._prefixes.provisional:  # its role's prefix (N1)
                     inc, state, ids = self._inc, self._state, self._id
