@@ -96,6 +96,13 @@ class Workflow:
         """The same DAG with no progress (a session starts from this; the declaration stays clean)."""
         return Workflow(self.session_id, self.nodes, self.order)
 
+    def parallel(self, node_id: str) -> list[str]:
+        """The agents of the pending LLM nodes other than ``node_id`` with the same deps: they run
+        beside it (a fan-out's siblings)."""
+        deps = self.nodes[node_id].deps
+        return [n.agent_id for n in self.nodes.values()
+                if n.deps == deps and n.id != node_id and n.kind == "llm" and n.agent_id is not None and n.id not in self.done]
+
     def mark_done(self, node_id: str, now_s: float | None = None) -> None:
         """W4: the node and all its ancestors are done."""
         if node_id not in self.nodes:

@@ -73,7 +73,7 @@ def test_a_tool_wait_in_an_agents_last_node_survives_other_agents_finishing():
     r.record_access([0, 1, 4, 5], ["sys0", "sys1", "w0", "wleaf"], ctx)
     p.call_finished("s", node_id="a", agent_id="w", hints=ctx.hints, now_s=12.0)
     back = 12.0 + LLM_CALL_S + 3.0
-    assert r.debug_plan(4) == pytest.approx(back)
+    assert r._agent_plan[("s", "w")] == pytest.approx(back)  # frame 4 is v's too until v calls (N2: w's sibling)
     ctx, _ = p.call_started("s", node_id="x", agent_id="v", now_s=13.0)
     r.record_access([0, 1, 6, 7], ["sys0", "sys1", "v0", "vleaf"], ctx)
     p.call_finished("s", node_id="x", agent_id="v", now_s=13.0)

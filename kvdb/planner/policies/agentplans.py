@@ -48,7 +48,7 @@ from heapq import heapify, heappop, heappush, heapreplace
 
 from kvdb.compiled import copy_fields
 from kvdb.planner.policies.newcomers import SessionPrefixes
-from kvdb.planner.policies.nextuse import deadline, stretched
+from kvdb.planner.policies.nextuse import PLAN_SLACK_S, deadline, stretched
 
 ABSENT, LISTED, PINNED = 0, 1, 2  # frame states (PlannedReplacer's ``_state``; defined here, below it)
 _ABSENT, _LISTED, _PINNED = ABSENT, LISTED, PINNED  # typed in agentplans.pxd: compiled, a C compare
@@ -290,31 +290,38 @@ class AgentPlans:
             self._plan_agent(key, t, now)
 
     def _plan_newcomer(self, key: tuple, t: float, now: float) -> None:
-        """N1: an agent that has not called yet, starting at ``t``, is planned to read the prefix its
-        kind read in sessions like its own, through a provisional chain (kvdb.planner.policies.newcomers)."""
+        """An agent that has not called yet, starting at ``t``, is planned through a provisional chain
+        to read what its parallel siblings began with (N2) or the prefix its kind read in sessions
+        like its own (N1); kvdb.planner.policies.newcomers."""
         links = self._prefixes.prefix(key)
         prov = self._prefixes.provisional
+        old = self._agent_plan.get(key)
+        same = bool(links) and key in prov and self._agent_chain.get(key) == links
+        if same and old is None and t != math.inf:  # its plan expired before it called: a newcomer that did not read it (yet)
+            self._prefixes.missed(key)
+            links = self._prefixes.prefix(key)  # N2: a sibling that did not come falls back to its role prefix
+            same = key in prov and self._agent_chain.get(key) == links
         if t == math.inf or not links:
             if key in prov:
                 prov.discard(key)
                 self._forget_agent(key)
             return
-        old = self._agent_plan.get(key)
-        same = key in prov and self._agent_chain.get(key) == links
-        if same and old is None:  # its plan expired before it called: a newcomer that did not read it (yet)
-            self._prefixes.missed()
-        if t > now:
+        dl = None
+        if self._prefixes._group(key) is not None:  # a sibling (N2) is due now: planned a little later, briefly
+            t = stretched(max(t, now + REPLAN_TOLERANCE_S), now, self._prefixes.p_of(key))
+            dl = t + PLAN_SLACK_S
+        elif t > now:
             t = stretched(t, now, self._prefixes.p())
         if same:
             if old is None or abs(old - t) > REPLAN_TOLERANCE_S:
-                self._plan_agent(key, t, now)
+                self._plan_agent(key, t, now, dl)
             return
         self._drop_plan(key)
         self._agent_chain[key] = list(links)
         prov.add(key)
         self._sess_agents.setdefault(key[0], {})[key] = None
         self._chain_changed(key)
-        self._plan_agent(key, t, now)
+        self._plan_agent(key, t, now, dl)
 
     def _drop_plan(self, agent: Agent) -> None:
         """The agent's plan is gone (released, expired): its frames lose its interest."""

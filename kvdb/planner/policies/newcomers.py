@@ -1,5 +1,5 @@
-"""N1: an agent that has not called yet will read what its kind read in sessions like its own --
-learned online (kvdb.planner.policies.planned).
+"""N1, N2: an agent that has not called yet will read what its kind read in sessions like its own,
+or what its parallel siblings just read -- learned online (kvdb.planner.policies.planned).
 
 Agent applications are templates: every session of one app runs the same roles, and a role's
 first prompt begins with the app's system prompt for it and its tool schemas. A declared
@@ -24,7 +24,24 @@ against LRU's 19, which keeps what the coordinator just read; Belady 20).
   kvdb.planner.policies.nextuse stretches an estimate by the chance its agent calls again.
 * At most ``MAX_ROLES`` role prefixes are kept, the oldest dropped first.
 
-docs/planner.md, "Newcomers".
+N2, siblings: the nodes of a fan-out (pending LLM nodes with the same deps) run side by side,
+and their agents' first prompts often begin alike past the role prefix (the session's task).
+LRU keeps what the first of them just read; before N2 the planner planned it for that agent's
+next call only, often further off than other chains, and evicted it under the others' feet
+(apps traces at 0.5 %: such first calls hit 3,185 blocks against LRU's 5,986).
+
+* A finished call of a node starts or shrinks its *group* (session, the node's deps): the
+  first call's chain less its partial last block, then what each later call shares with it.
+  The group's agents that have not called are planned to read it, due now (their deps are
+  done): ``REPLAN_TOLERANCE_S`` away stretched by 1 / P ** 2, until ``PLAN_SLACK_S`` past that.
+* P(a sibling reads it) is the session's own record (how much of its plan each sibling read,
+  a sibling whose plan expired read nothing) with the global rate as a prior of weight 2. A
+  sibling whose plan expired is not planned from its group again.
+* The role prefix is the surer guess when it is known and the group's chain begins with
+  another block (another kind's call), or when one call alone formed the group and what later
+  siblings read of its part past the role prefix is under half (learned, planned or not).
+
+docs/planner.md, "Newcomers" and "Siblings".
 """
 
 from __future__ import annotations
@@ -46,11 +63,47 @@ class SessionPrefixes:
         self._links: dict[tuple, list] = {}  # ... and their (frame, incarnation), from the latest reader
         self._formed: dict[tuple, int] = {}  # ... and how many first calls formed it (1, or 2: enough)
         self.provisional: set = set()  # agents whose last chain is a provisional one (not called yet)
-        self.first_calls = 0.0
-        self.read = 0.0
+        self._rate = [0.0, 0.0]  # newcomers with a role prefix: first calls (and expired plans), reads of all of it
+        self._groups: dict[Hashable, dict] = {}  # session -> deps -> [ids, links] its parallel nodes' calls began with
+        self._member: dict[Hashable, dict] = {}  # session -> newcomer name -> deps of the group it is planned from (None: none)
+        self._sib = [0.0, 0.0]  # siblings planned from their group: first calls (and expired plans), how much of it they read
+        self._ext = [0.0, 0.0]  # a first sibling's chain past the role prefix: later siblings' first calls, how much of it they read
+        self._sess_sib: dict[Hashable, tuple] = {}  # session -> (its siblings' first calls, how much of their plans they read)
 
     def p(self) -> float:
-        return (self.read + 1.0) / (self.first_calls + 2.0)
+        return _p(self._rate)
+
+    def p_of(self, agent: tuple) -> float:
+        """P(the newcomer reads what it is planned to): its group's chain or its role prefix."""
+        if self._group(agent) is not None:  # the session's own siblings so far, the global rate as a prior of weight 2
+            n, r = self._sess_sib.get(agent[0], (0.0, 0.0))
+            return (r + 2.0 * _p(self._sib)) / (n + 2.0)
+        return self.p()
+
+    def _role(self, agent: tuple) -> list | None:
+        """The newcomer's role prefix's ids, once two first calls formed it."""
+        sig = self._sig.get(agent[0])
+        key = (sig, agent[1])
+        return self._ids[key] if sig is not None and self._formed.get(key, 0) >= 2 else None
+
+    def _raw_group(self, agent: tuple) -> list | None:
+        m = self._member.get(agent[0])
+        deps = None if m is None else m.get(agent[1])
+        g = None if deps is None else self._groups[agent[0]].get(deps)
+        return g if g is not None and g[0] else None
+
+    def _group(self, agent: tuple) -> list | None:
+        """[ids, links, calls] of the group the newcomer is planned from; None when its role
+        prefix is the surer guess: the group's chain begins with another kind's block, or one
+        call alone formed it and its part past the role prefix has mostly not been read."""
+        g = self._raw_group(agent)
+        role = None if g is None else self._role(agent)
+        if role:
+            if role[0] != g[0][0]:
+                return None
+            if g[2] < 2 and (len(g[0]) <= len(role) or _p(self._ext) < 0.5):
+                return None
+        return g
 
     def called(self, agent: tuple) -> bool:
         """Whether the agent called in its session (a newcomer has not)."""
@@ -58,7 +111,11 @@ class SessionPrefixes:
         return s is not None and agent[1] in s
 
     def prefix(self, agent: tuple) -> list:
-        """The links a newcomer is planned to read; empty when its role prefix is unknown."""
+        """The links a newcomer is planned to read: its group's chain (N2), else its role prefix;
+        empty when neither is known."""
+        g = self._group(agent)
+        if g is not None:
+            return g[1]
         sig = self._sig.get(agent[0])
         if sig is None or self._formed.get((sig, agent[1]), 0) < 2:
             return []
@@ -88,9 +145,21 @@ class SessionPrefixes:
         while k < m and ids[k] is not None and (old is None or ids[k] == old[k]):
             k += 1
         if first:
+            g = self._raw_group(agent)
+            if g is not None:  # N2: how much of its group's chain the newcomer read
+                planned = self._group(agent) is not None
+                del self._member[sid][name]
+                j = 0
+                while j < len(g[0]) and j < n and ids[j] == g[0][j]:
+                    j += 1
+                if planned:
+                    self._sib_count(sid, j / len(g[0]))
+                role = self._role(agent)
+                if g[2] == 1 and role and role[0] == g[0][0] and len(g[0]) > len(role):
+                    _add(self._ext, max(0, j - len(role)) / (len(g[0]) - len(role)))  # planned or not
             formed = self._formed.get(key, 0)
             if formed >= 2 and old:
-                self._count(k == len(old))
+                _add(self._rate, 1.0 if k == len(old) else 0.0)
             if old is None and len(self._ids) >= MAX_ROLES:
                 oldest = next(iter(self._ids))
                 del self._ids[oldest]
@@ -102,23 +171,66 @@ class SessionPrefixes:
         elif k == len(old):
             self._links[key] = links[:k]
 
-    def missed(self) -> None:
+    def parallel(self, sid: Hashable, deps: tuple, names: list, links: list, ids: list) -> None:
+        """N2: a finished call of a node whose deps are ``deps``; ``names``, the agents of the
+        other pending nodes with the same deps that have not called yet (its parallel siblings),
+        are planned to read what the group's calls began with: the first call's chain (less its
+        partial last block), shrunk to what each later one shares with it."""
+        groups = self._groups.setdefault(sid, {})
+        g = groups.get(deps)
+        n = len(ids) - 1
+        k = 0
+        if g is None:
+            while k < n and ids[k] is not None:
+                k += 1
+            groups[deps] = [ids[:k], links[:k], 1]
+        else:
+            old = g[0]
+            while k < n and k < len(old) and ids[k] is not None and ids[k] == old[k]:
+                k += 1
+            if k:
+                g[0], g[1], g[2] = old[:k], links[:k], g[2] + 1
+        m = self._member.setdefault(sid, {})
+        for name in names:
+            m.setdefault(name, deps)
+
+    def missed(self, agent: tuple) -> None:
         """A newcomer's plan expired before it called: counted as a first call that did not read
         its prefix (a declared node that does not run keeps its chain from being planned at once)."""
-        self._count(False)
+        if self._group(agent) is not None:  # a sibling due now that did not call: not planned from its group again
+            self._sib_count(agent[0], 0.0)
+            self._member[agent[0]][agent[1]] = None  # kept: parallel() does not add it back
+        else:
+            _add(self._rate, 0.0)
 
-    def _count(self, read: bool) -> None:
-        self.first_calls += 1.0
-        if read:
-            self.read += 1.0
-        if self.first_calls > WINDOW:
-            self.first_calls *= 0.5
-            self.read *= 0.5
+    def _sib_count(self, sid: Hashable, read: float) -> None:
+        n, r = self._sess_sib.get(sid, (0.0, 0.0))
+        self._sess_sib[sid] = (n + 1.0, r + read)
+        _add(self._sib, read)
 
     def end(self, sid: Hashable) -> None:
         """The session ended (the planner forgets its agents, provisional ones included)."""
         self._sig.pop(sid, None)
         self._agents.pop(sid, None)
+        self._groups.pop(sid, None)
+        self._member.pop(sid, None)
+        self._sess_sib.pop(sid, None)
 
     def describe(self) -> dict[str, float]:
-        return {"first_calls": self.first_calls, "read_prefix": self.read, "p_read": self.p()}
+        return {"first_calls": self._rate[0], "read_prefix": self._rate[1], "p_read": self.p(),
+                "sibling_first_calls": self._sib[0], "sibling_read": self._sib[1], "p_sibling_read": _p(self._sib),
+                "p_extension_read": _p(self._ext)}
+
+
+def _add(rate: list, read: float) -> None:
+    """[trials, reads] += [1, read], both halved past WINDOW."""
+    rate[0] += 1.0
+    rate[1] += read
+    if rate[0] > WINDOW:
+        rate[0] *= 0.5
+        rate[1] *= 0.5
+
+
+def _p(rate: list) -> float:
+    """(reads + 1) / (trials + 2)."""
+    return (rate[1] + 1.0) / (rate[0] + 2.0)

@@ -142,6 +142,14 @@ class NextUseEstimator:
         busy = self._on_tool.get(session_id)
         return {a: t for a, t in starts.items() if a not in busy} if busy else starts
 
+    def parallel(self, session_id: str, node_id: str | None) -> tuple[tuple, list[str]] | None:
+        """(deps of the call's node, the agents of the other pending LLM nodes with the same deps);
+        None without a workflow or a declared node."""
+        wf = self._workflows.get(session_id) if self.use_workflows else None
+        if wf is None or node_id is None or node_id not in wf.nodes:
+            return None
+        return wf.nodes[node_id].deps, wf.parallel(node_id)
+
     def looping(self) -> bool:
         """Whether declared nodes are more often called again than left: agents loop inside
         their nodes (ReAct), so an agent's next call is its loop's, not its next node's."""

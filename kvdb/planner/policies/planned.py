@@ -365,8 +365,12 @@ class PlannedCore(AgentPlans):
                 chain = self._agent_chain.get((sid, me))
                 if chain and (sid, me) not in self._prefixes.provisional:  # its role's prefix (N1)
                     inc, state, ids = self._inc, self._state, self._id
-                    self._prefixes.observe((sid, me), chain, [ids[f] if inc[f] == i and state[f] != _ABSENT else None
-                                                              for f, i in chain])
+                    got = [ids[f] if inc[f] == i and state[f] != _ABSENT else None for f, i in chain]
+                    self._prefixes.observe((sid, me), chain, got)
+                    par = self._next.parallel(sid, event.node_id)  # N2: its parallel siblings
+                    if par is not None:
+                        self._prefixes.parallel(sid, par[0], [a for a in par[1] if not self._prefixes.called((sid, a))],
+                                                chain, got)
                 if "expected_tool_duration_s" in event.hints or self._next.looping():
                     # the call waits on a tool and its agent goes on after it (a ReAct loop inside
                     # its node): its own plan is the hint's, from on_call, not its next node's start
