@@ -64,7 +64,7 @@ class SessionPrefixes:
         self._formed: dict[tuple, int] = {}  # ... and how many first calls formed it (1, or 2: enough)
         self.provisional: set = set()  # agents whose last chain is a provisional one (not called yet)
         self._rate = [0.0, 0.0]  # newcomers with a role prefix: first calls (and expired plans), reads of all of it
-        self._groups: dict[Hashable, dict] = {}  # session -> deps -> [ids, links] its parallel nodes' calls began with
+        self._groups: dict[Hashable, dict] = {}  # session -> deps -> [ids, links, calls]: what its parallel nodes' calls began with
         self._member: dict[Hashable, dict] = {}  # session -> newcomer name -> deps of the group it is planned from (None: none)
         self._sib = [0.0, 0.0]  # siblings planned from their group: first calls (and expired plans), how much of it they read
         self._ext = [0.0, 0.0]  # a first sibling's chain past the role prefix: later siblings' first calls, how much of it they read
@@ -87,6 +87,7 @@ class SessionPrefixes:
         return self._ids[key] if sig is not None and self._formed.get(key, 0) >= 2 else None
 
     def _raw_group(self, agent: tuple) -> list | None:
+        """The newcomer's group, whatever the role prefix says; None without one (or an empty one)."""
         m = self._member.get(agent[0])
         deps = None if m is None else m.get(agent[1])
         g = None if deps is None else self._groups[agent[0]].get(deps)
