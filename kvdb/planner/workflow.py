@@ -54,6 +54,8 @@ class Workflow:
     # walks the pending nodes only; one per llm_s asked (the engine's Db asks with 0, its planners
     # with their call time)
     _settled: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    # deps -> the LLM nodes with an agent that have them (``parallel``), built at its first call
+    _by_deps: dict | None = field(default=None, init=False, repr=False, compare=False)
 
     @classmethod
     def from_spec(cls, session_id: str, nodes: Iterable[Mapping[str, Any]], where: str = "workflow") -> "Workflow":
@@ -98,10 +100,15 @@ class Workflow:
 
     def parallel(self, node_id: str) -> list[str]:
         """The agents of the pending LLM nodes other than ``node_id`` with the same deps: they run
-        beside it (a fan-out's siblings)."""
-        deps = self.nodes[node_id].deps
-        return [n.agent_id for n in self.nodes.values()
-                if n.deps == deps and n.id != node_id and n.kind == "llm" and n.agent_id is not None and n.id not in self.done]
+        beside it (a fan-out's siblings). The nodes are indexed by deps once per session, so a
+        call costs its fan-out, not the workflow's size."""
+        if self._by_deps is None:
+            self._by_deps = {}
+            for n in self.nodes.values():
+                if n.kind == "llm" and n.agent_id is not None:
+                    self._by_deps.setdefault(n.deps, []).append(n)
+        return [n.agent_id for n in self._by_deps.get(self.nodes[node_id].deps, ())
+                if n.id != node_id and n.id not in self.done]
 
     def mark_done(self, node_id: str, now_s: float | None = None) -> None:
         """W4: the node and all its ancestors are done."""
