@@ -37,7 +37,7 @@ cdef class AgentPlans:
     @cython.locals(f=cython.Py_ssize_t, i=cython.longlong)
     cdef _drop_plan(self, object agent)
     cpdef _replan(self, object sid, dict starts, double now, object changed=*)
-    @cython.locals(same=cython.bint)
+    @cython.locals(same=cython.bint, sib=cython.bint, p=cython.double)
     cdef _plan_newcomer(self, tuple key, double t, double now)
     cdef _forget_agent(self, object agent)
     cpdef _expire_plans(self, double now)

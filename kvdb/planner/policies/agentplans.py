@@ -293,13 +293,13 @@ class AgentPlans:
         """An agent that has not called yet, starting at ``t``, is planned through a provisional chain
         to read what its parallel siblings began with (N2) or the prefix its kind read in sessions
         like its own (N1); kvdb.planner.policies.newcomers."""
-        links = self._prefixes.prefix(key)
+        links, p, sib = self._prefixes.plan_of(key)
         prov = self._prefixes.provisional
         old = self._agent_plan.get(key)
         same = bool(links) and key in prov and self._agent_chain.get(key) == links
         if same and old is None and t != math.inf:  # its plan expired before it called: a newcomer that did not read it (yet)
-            self._prefixes.missed(key)
-            links = self._prefixes.prefix(key)  # N2: a sibling that did not come falls back to its role prefix
+            self._prefixes.missed(key, sib)
+            links, p, sib = self._prefixes.plan_of(key)  # N2: a sibling that did not come falls back to its role prefix
             same = key in prov and self._agent_chain.get(key) == links
         if t == math.inf or not links:
             if key in prov:
@@ -307,11 +307,11 @@ class AgentPlans:
                 self._forget_agent(key)
             return
         dl = None
-        if self._prefixes._group(key) is not None:  # a sibling (N2) is due now: planned a little later, briefly
-            t = stretched(max(t, now + REPLAN_TOLERANCE_S), now, self._prefixes.p_of(key))
+        if sib:  # a sibling (N2) is due now: planned a little later, briefly
+            t = stretched(max(t, now + REPLAN_TOLERANCE_S), now, p)
             dl = t + PLAN_SLACK_S
         elif t > now:
-            t = stretched(t, now, self._prefixes.p())
+            t = stretched(t, now, p)
         if same:
             if old is None or abs(old - t) > REPLAN_TOLERANCE_S:
                 self._plan_agent(key, t, now, dl)

@@ -48,6 +48,8 @@ from __future__ import annotations
 
 from collections.abc import Hashable
 
+from kvdb.planner.policies.rate import Rate
+
 WINDOW = 1024.0  # first calls and reads are halved when the first calls pass this
 MAX_ROLES = 4096  # role prefixes kept, oldest dropped first
 
@@ -63,22 +65,12 @@ class SessionPrefixes:
         self._links: dict[tuple, list] = {}  # ... and their (frame, incarnation), from the latest reader
         self._formed: dict[tuple, int] = {}  # ... and how many first calls formed it (1, or 2: enough)
         self.provisional: set = set()  # agents whose last chain is a provisional one (not called yet)
-        self._rate = [0.0, 0.0]  # newcomers with a role prefix: first calls (and expired plans), reads of all of it
+        self._rate = Rate(WINDOW)  # newcomers with a role prefix: first calls (and expired plans), reads of all of it
         self._groups: dict[Hashable, dict] = {}  # session -> deps -> [ids, links, calls]: what its parallel nodes' calls began with
         self._member: dict[Hashable, dict] = {}  # session -> newcomer name -> deps of the group it is planned from (None: none)
-        self._sib = [0.0, 0.0]  # siblings planned from their group: first calls (and expired plans), how much of it they read
-        self._ext = [0.0, 0.0]  # a first sibling's chain past the role prefix: later siblings' first calls, how much of it they read
+        self._sib = Rate(WINDOW)  # siblings planned from their group: first calls (and expired plans), how much of it they read
+        self._ext = Rate(WINDOW)  # a first sibling's chain past the role prefix: later siblings' first calls, how much of it they read
         self._sess_sib: dict[Hashable, tuple] = {}  # session -> (its siblings' first calls, how much of their plans they read)
-
-    def p(self) -> float:
-        return _p(self._rate)
-
-    def p_of(self, agent: tuple) -> float:
-        """P(the newcomer reads what it is planned to): its group's chain or its role prefix."""
-        if self._group(agent) is not None:  # the session's own siblings so far, the global rate as a prior of weight 2
-            n, r = self._sess_sib.get(agent[0], (0.0, 0.0))
-            return (r + 2.0 * _p(self._sib)) / (n + 2.0)
-        return self.p()
 
     def _role(self, agent: tuple) -> list | None:
         """The newcomer's role prefix's ids, once two first calls formed it."""
@@ -102,7 +94,7 @@ class SessionPrefixes:
         if role:
             if role[0] != g[0][0]:
                 return None
-            if g[2] < 2 and (len(g[0]) <= len(role) or _p(self._ext) < 0.5):
+            if g[2] < 2 and (len(g[0]) <= len(role) or self._ext.p() < 0.5):
                 return None
         return g
 
@@ -111,16 +103,22 @@ class SessionPrefixes:
         s = self._agents.get(agent[0])
         return s is not None and agent[1] in s
 
-    def prefix(self, agent: tuple) -> list:
-        """The links a newcomer is planned to read: its group's chain (N2), else its role prefix;
-        empty when neither is known."""
+    def plan_of(self, agent: tuple) -> tuple:
+        """(the links a newcomer is planned to read, P(it reads them), whether they are its group's):
+        its group's chain (N2; P from the session's own siblings so far, the global rate as a prior
+        of weight 2), else its role prefix (N1); no links when neither is known."""
         g = self._group(agent)
         if g is not None:
-            return g[1]
+            n, r = self._sess_sib.get(agent[0], (0.0, 0.0))
+            return g[1], (r + 2.0 * self._sib.p()) / (n + 2.0), True
         sig = self._sig.get(agent[0])
         if sig is None or self._formed.get((sig, agent[1]), 0) < 2:
-            return []
-        return self._links[(sig, agent[1])]
+            return [], self._rate.p(), False
+        return self._links[(sig, agent[1])], self._rate.p(), False
+
+    def prefix(self, agent: tuple) -> list:
+        """The links a newcomer is planned to read (``plan_of``)."""
+        return self.plan_of(agent)[0]
 
     def observe(self, agent: tuple, links: list, ids: list) -> None:
         """A finished call of ``agent`` = (session, name): its chain's links and block ids (None
@@ -157,10 +155,10 @@ class SessionPrefixes:
                     self._sib_count(sid, j / len(g[0]))
                 role = self._role(agent)
                 if g[2] == 1 and role and role[0] == g[0][0] and len(g[0]) > len(role):
-                    _add(self._ext, max(0, j - len(role)) / (len(g[0]) - len(role)))  # planned or not
+                    self._ext.add(1.0, max(0, j - len(role)) / (len(g[0]) - len(role)))  # planned or not
             formed = self._formed.get(key, 0)
             if formed >= 2 and old:
-                _add(self._rate, 1.0 if k == len(old) else 0.0)
+                self._rate.add(1.0, 1.0 if k == len(old) else 0.0)
             if old is None and len(self._ids) >= MAX_ROLES:
                 oldest = next(iter(self._ids))
                 del self._ids[oldest]
@@ -195,19 +193,20 @@ class SessionPrefixes:
         for name in names:
             m.setdefault(name, deps)
 
-    def missed(self, agent: tuple) -> None:
-        """A newcomer's plan expired before it called: counted as a first call that did not read
-        its prefix (a declared node that does not run keeps its chain from being planned at once)."""
-        if self._group(agent) is not None:  # a sibling due now that did not call: not planned from its group again
+    def missed(self, agent: tuple, sibling: bool) -> None:
+        """A newcomer's plan (from its group when ``sibling``) expired before it called: counted as
+        a first call that did not read it (a declared node that does not run keeps its chain from
+        being planned at once)."""
+        if sibling:  # a sibling due now that did not call: not planned from its group again
             self._sib_count(agent[0], 0.0)
             self._member[agent[0]][agent[1]] = None  # kept: parallel() does not add it back
         else:
-            _add(self._rate, 0.0)
+            self._rate.add(1.0, 0.0)
 
     def _sib_count(self, sid: Hashable, read: float) -> None:
         n, r = self._sess_sib.get(sid, (0.0, 0.0))
         self._sess_sib[sid] = (n + 1.0, r + read)
-        _add(self._sib, read)
+        self._sib.add(1.0, read)
 
     def end(self, sid: Hashable) -> None:
         """The session ended (the planner forgets its agents, provisional ones included)."""
@@ -218,20 +217,7 @@ class SessionPrefixes:
         self._sess_sib.pop(sid, None)
 
     def describe(self) -> dict[str, float]:
-        return {"first_calls": self._rate[0], "read_prefix": self._rate[1], "p_read": self.p(),
-                "sibling_first_calls": self._sib[0], "sibling_read": self._sib[1], "p_sibling_read": _p(self._sib),
-                "p_extension_read": _p(self._ext)}
+        return {"first_calls": self._rate.trials, "read_prefix": self._rate.reads, "p_read": self._rate.p(),
+                "sibling_first_calls": self._sib.trials, "sibling_read": self._sib.reads, "p_sibling_read": self._sib.p(),
+                "p_extension_read": self._ext.p()}
 
-
-def _add(rate: list, read: float) -> None:
-    """[trials, reads] += [1, read], both halved past WINDOW."""
-    rate[0] += 1.0
-    rate[1] += read
-    if rate[0] > WINDOW:
-        rate[0] *= 0.5
-        rate[1] *= 0.5
-
-
-def _p(rate: list) -> float:
-    """(reads + 1) / (trials + 2)."""
-    return (rate[1] + 1.0) / (rate[0] + 2.0)

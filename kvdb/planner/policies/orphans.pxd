@@ -1,7 +1,8 @@
 cimport cython
+from kvdb.planner.policies.rate cimport Rate
 
 cdef class OrphanEstimator:
-    cdef public double orphaned, revived
+    cdef public Rate _rate
     cdef public dict _ids
     cdef public Py_ssize_t _cap
 
