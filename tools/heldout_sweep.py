@@ -37,6 +37,7 @@ VARIANTS: dict[str, tuple[dict, str | None, bool]] = {
     "breaks-ns": ({"chain_break_prob": 0.3, "namespaced_agent_ids": True}, None, True),  # --chain-breaks 0.3 --namespaced-agents
     "wrong": ({"hint_shuffle": True, "wrong_workflow_prob": 0.5}, "agentic-mix", True),  # ... --hint-shuffle --wrong-workflow 0.5
     "nohints": ({"hints": False}, None, True),  # --no-hints
+    "nowf": ({}, None, False),  # (none), workflow lines dropped: hints alone (goal 4: g >= 0.8 at 1 / 2 %)
     "mix-nowf": ({}, "agentic-mix", False),  # --shape agentic-mix, workflow lines dropped
 }
 
