@@ -88,7 +88,7 @@ def test_a_role_whose_first_calls_share_nothing_plans_nothing():
     for i in range(4):  # every worker's first call begins with a block of its own
         _session(r, p, f"s{i}", 10.0 * i, [SYS_C, 3 * i + 4, 63], [3 * i + 5, 3 * i + 6, 62])
     _session(r, p, "s9", 100.0, [SYS_C, 50, 51], None, end=False)
-    assert r._prefixes.prefix(("s9", "w")) == [] and ("s9", "w") not in r._prefixes.provisional
+    assert r._prefixes.plan_of(("s9", "w"))[0] == [] and ("s9", "w") not in r._prefixes.provisional
 
 
 def test_sessions_that_begin_otherwise_do_not_share_prefixes():

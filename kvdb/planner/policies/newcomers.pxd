@@ -8,10 +8,9 @@ cdef class SessionPrefixes:
 
     cdef _role(self, tuple agent)
     cdef _raw_group(self, tuple agent)
-    cdef _group(self, tuple agent)
+    cdef _group(self, tuple agent, list g)
     cpdef bint called(self, tuple agent)
     cpdef tuple plan_of(self, tuple agent)
-    cpdef list prefix(self, tuple agent)
     @cython.locals(k=cython.Py_ssize_t, m=cython.Py_ssize_t, n=cython.Py_ssize_t, j=cython.Py_ssize_t, first=cython.bint, formed=cython.Py_ssize_t)
     cpdef observe(self, tuple agent, list links, list ids)
     cpdef end(self, object sid)

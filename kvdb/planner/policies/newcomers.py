@@ -85,11 +85,11 @@ class SessionPrefixes:
         g = None if deps is None else self._groups[agent[0]].get(deps)
         return g if g is not None and g[0] else None
 
-    def _group(self, agent: tuple) -> list | None:
-        """[ids, links, calls] of the group the newcomer is planned from; None when its role
-        prefix is the surer guess: the group's chain begins with another kind's block, or one
-        call alone formed it and its part past the role prefix has mostly not been read."""
-        g = self._raw_group(agent)
+    def _group(self, agent: tuple, g: list | None) -> list | None:
+        """[ids, links, calls] of the group the newcomer is planned from (``g``, its raw group);
+        None when its role prefix is the surer guess: the group's chain begins with another
+        kind's block, or one call alone formed it and its part past the role prefix has mostly
+        not been read."""
         role = None if g is None else self._role(agent)
         if role:
             if role[0] != g[0][0]:
@@ -107,7 +107,7 @@ class SessionPrefixes:
         """(the links a newcomer is planned to read, P(it reads them), whether they are its group's):
         its group's chain (N2; P from the session's own siblings so far, the global rate as a prior
         of weight 2), else its role prefix (N1); no links when neither is known."""
-        g = self._group(agent)
+        g = self._group(agent, self._raw_group(agent))
         if g is not None:
             n, r = self._sess_sib.get(agent[0], (0.0, 0.0))
             return g[1], (r + 2.0 * self._sib.p()) / (n + 2.0), True
@@ -115,10 +115,6 @@ class SessionPrefixes:
         if sig is None or self._formed.get((sig, agent[1]), 0) < 2:
             return [], self._rate.p(), False
         return self._links[(sig, agent[1])], self._rate.p(), False
-
-    def prefix(self, agent: tuple) -> list:
-        """The links a newcomer is planned to read (``plan_of``)."""
-        return self.plan_of(agent)[0]
 
     def observe(self, agent: tuple, links: list, ids: list) -> None:
         """A finished call of ``agent`` = (session, name): its chain's links and block ids (None
@@ -146,7 +142,7 @@ class SessionPrefixes:
         if first:
             g = self._raw_group(agent)
             if g is not None:  # N2: how much of its group's chain the newcomer read
-                planned = self._group(agent) is not None
+                planned = self._group(agent, g) is not None
                 del self._member[sid][name]
                 j = 0
                 while j < len(g[0]) and j < n and ids[j] == g[0][j]:
