@@ -71,6 +71,7 @@ def open(  # noqa: A001 - mirrors sqlite3.connect / rocksdb open
     session_idle_s: float | None = 3600.0,
     max_space_amp: float | None = 2.0,
     read_only: bool = False,
+    writeback_s: float | None = 1.0,
     peers: Sequence[str] = (),
     replicas: Sequence[str] = (),
     replication_secret_file: str | os.PathLike | None = None,
@@ -91,7 +92,9 @@ def open(  # noqa: A001 - mirrors sqlite3.connect / rocksdb open
     free by demotion; ``clock``: the plans' time base (default ``time.monotonic``);
     ``session_idle_s``: idle sessions end after it (None: never); ``max_space_amp``: the disk
     tier compacts past it (None: only ``kvdb compact``); ``read_only``: inspection, no byte
-    written. Every option is documented with :class:`Db` (kvdb/db/core.py).
+    written; ``writeback_s``: pages put with durability "none" reach the disk tier within about
+    this many seconds (the background writer, kvdb/db/writeback.py; None: only on eviction,
+    flush and close). Every option is documented with :class:`Db` (kvdb/db/core.py).
 
     Replication (kvdb/replication/, attached to the Db from above): ``peers`` ("host:port")
     serve local lookup misses, ``replicas`` are followers the log ships to, both with the
@@ -104,7 +107,7 @@ def open(  # noqa: A001 - mirrors sqlite3.connect / rocksdb open
             tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size, durability=durability,
             disk_bytes=disk_bytes, codec=codec, encryption_key_file=encryption_key_file,
             device_free_fraction=device_free_fraction, clock=clock, session_idle_s=session_idle_s,
-            max_space_amp=max_space_amp, read_only=read_only)
+            max_space_amp=max_space_amp, read_only=read_only, writeback_s=writeback_s)
     if peers or replicas or replication_secret_file is not None:
         try:
             from kvdb.replication.attach import attach_replication  # only for a replicated Db

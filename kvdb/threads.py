@@ -1,4 +1,4 @@
-"""Joining the worker threads a server started.
+"""Joining the worker threads a server started; handing work to a pool that may refuse it.
 
 A daemon thread still unwinding when the interpreter exits is ended by CPython inside whatever
 C++ destructor it was running (torch frees a tensor by taking the GIL), and that aborts the
@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from concurrent.futures import Executor, Future
 
 
 def join_all(threads: Iterable[threading.Thread], timeout_s: float) -> None:
@@ -21,3 +22,17 @@ def join_all(threads: Iterable[threading.Thread], timeout_s: float) -> None:
     for t in threads:
         if t is not me:
             t.join(max(0.0, deadline - time.monotonic()))
+
+
+def submit_or_none(pool: Executor | None, fn: Callable, *args) -> Future | None:
+    """``pool.submit(fn, *args)``, or None when there is no pool or it no longer takes work: the
+    caller then runs ``fn`` itself. Once the interpreter has begun to exit, concurrent.futures
+    refuses new futures ("cannot schedule new futures after interpreter shutdown") and Python
+    3.12+ refuses new threads, yet the exit hook's write-back (kvdb/db/core.py) still has to go
+    through the same pipelined paths (kvdb/wal/writer.py ``append_rows``, kvdb/cold/read.py)."""
+    if pool is None:
+        return None
+    try:
+        return pool.submit(fn, *args)
+    except RuntimeError:
+        return None

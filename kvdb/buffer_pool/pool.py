@@ -10,7 +10,7 @@ in memory. Per-frame state lives in flat arrays (array/bytearray) of each tier
 (kvdb/buffer_pool/tier.py), not in an object per page, so a million resident pages cost ~150
 bytes each of metadata (``kvdb bench datapath`` measures it). Only this module reads the table,
 decodes its codes and writes the per-frame arrays; the Db asks (``in``, ``tier_of``,
-``tiers_of``, ``keys_in``, ``absent_rows``, ``is_dirty``, ``dirty_pages``, ``read_into``) and tells
+``tiers_of``, ``keys_in``, ``absent_rows``, ``is_dirty``, ``dirty_batches``, ``read_into``) and tells
 (``insert``, ``mark_clean``, ``pin``, ``promote``, ``offload``, ``delete``, ...).
 
 Invariants (tests cite them):
@@ -34,6 +34,7 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
+import numpy as np
 import torch
 
 from kvdb.buffer_pool.arena import Arena
@@ -141,18 +142,55 @@ class BufferPool:
             if code is not None:
                 self.tiers[code & 1].dirty[code >> 1] = 0  # type: ignore[union-attr]
 
-    def dirty_pages(self) -> tuple[list[bytes], torch.Tensor, list[int]]:
-        """Every dirty resident page, fastest tier first: (keys, pages uint8 [n, page_bytes] on
-        the CPU, positions). Nothing changes: ``mark_clean`` once they are written."""
-        items = [(k, t, f) for k, t, f in self.resident_items() if t.dirty[f]]
-        pages = torch.empty((len(items), self.page_bytes), dtype=torch.uint8)
+    def dirty_count(self) -> int:
+        """How many resident pages are not yet in the cold tier."""
+        return sum(len(self._dirty_frames(t)) for t in self.tiers if t is not None)
+
+    def _dirty_frames(self, t: Tier) -> list[int]:
+        """The frames of tier ``t`` holding dirty pages, ascending (a free frame is never dirty)."""
+        return np.flatnonzero(np.frombuffer(t.dirty, dtype=np.uint8)).tolist()
+
+    def copy_dirty(self, staging: torch.Tensor) -> tuple[list[bytes], torch.Tensor, list[int]]:
+        """Up to ``len(staging)`` dirty pages, fastest tier first, copied into ``staging``:
+        (keys, staging[:n], positions). Nothing changes: ``mark_clean`` once they are written."""
+        keys: list[bytes] = []
+        positions: list[int] = []
+        for t in self.tiers:
+            room = staging.shape[0] - len(keys)
+            if t is None or room <= 0:
+                continue
+            frames = self._dirty_frames(t)[:room]
+            if frames:
+                t.arena.read(frames, staging, range(len(keys), len(keys) + len(frames)))
+                keys.extend(t.keys[f] for f in frames)
+                positions.extend(t.positions[f] for f in frames)
+        return keys, staging[: len(keys)], positions
+
+    def dirty_batches(self, max_bytes: int, staging: torch.Tensor | None = None):
+        """Every dirty resident page, in batches of at most ``max_bytes``: yields (keys, pages
+        uint8 [n, page_bytes] on the CPU, positions). A run of consecutive frames of a CPU arena
+        is a view of the arena (no copy); scattered or device pages are copied into ``staging``
+        (reused for each batch: the caller writes a batch before it asks for the next). Nothing
+        changes: ``mark_clean`` once a batch is written; the caller keeps the pool still meanwhile."""
+        per = max(1, max_bytes // self.page_bytes)
         for t in self.tiers:
             if t is None:
                 continue
-            rows = [i for i, (_, tt, _) in enumerate(items) if tt is t]
-            if rows:
-                t.arena.read([items[i][2] for i in rows], pages, rows)
-        return [k for k, _, _ in items], pages, [t.positions[f] for _, t, f in items]
+            frames = self._dirty_frames(t)
+            data = t.arena.data
+            i = 0
+            while i < len(frames):
+                chunk = frames[i : i + per]
+                i += len(chunk)
+                keys = [t.keys[f] for f in chunk]
+                positions = [t.positions[f] for f in chunk]
+                if data.is_cpu and chunk[-1] - chunk[0] == len(chunk) - 1:
+                    yield keys, data[chunk[0] : chunk[-1] + 1], positions
+                    continue
+                if staging is None or staging.shape[0] < len(chunk):
+                    staging = torch.empty((min(per, len(frames)), self.page_bytes), dtype=torch.uint8)
+                t.arena.read(chunk, staging)
+                yield keys, staging[: len(chunk)], positions
 
     def absent_rows(self, keys: Sequence[bytes]) -> list[int]:
         """The indexes of the keys not resident."""
@@ -312,8 +350,10 @@ class BufferPool:
                 done += k
             tier_idx += 1
         if done < n:  # every frame is pinned: the rest bypasses memory (an outcome, not an error)
-            rest = pages[done:] if rows is None else pages[list(rows[done:])]
-            self._spill(keys[done:], rest.cpu(), list(positions[done:]), [dirty] * (n - done))
+            rest = None  # clean pages (a read's promotion) are on disk already: no copy, as _spill_frames
+            if dirty:
+                rest = (pages[done:] if rows is None else pages[list(rows[done:])]).cpu()
+            self._spill(keys[done:], rest, list(positions[done:]), [dirty] * (n - done))
 
     def record_inserted(self, deferred: list, ctx: AccessContext | None = None) -> None:
         """Tell each tier's replacer of the frames ``insert(..., defer=deferred)`` placed: one

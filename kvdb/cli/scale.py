@@ -21,18 +21,21 @@ from kvdb.cli.output import emit, json_option, progress
               help="512-byte blocks in the small store whose open is timed (0: no open figures)")
 @click.option("--open-large-blocks", type=click.IntRange(min=1), default=1_000_000, show_default=True,
               help="512-byte blocks in the large store whose open is timed (open_1m_s)")
+@click.option("--writeback-mib", type=click.IntRange(min=0), default=512, show_default=True,
+              help="dirty bytes in DRAM whose write-back at close() is timed (0: no write-back figures)")
 @json_option
 def bench_scale_cmd(dir_path, total_mib, batch_pages, get1_blocks, repeats, ingest_mib, open_blocks,
-                    open_large_blocks, as_json) -> None:
-    """Disk-tier reads (batched and one block per call, cold) vs preadv / one file per block;
-    ingest of 4 KiB and 64 KiB pages vs sequential writes; open of 10k and 1M blocks vs a RocksDB
-    open."""
+                    open_large_blocks, writeback_mib, as_json) -> None:
+    """Disk-tier reads (batched, with a roomy and a small host tier, and one block per call,
+    cold) vs preadv / one file per block; ingest of 4 KiB and 64 KiB pages and the write-back at
+    close() vs sequential writes; open of 10k and 1M blocks vs a RocksDB open."""
     from kvdb.bench.scale import bench_scale
 
-    with progress(2 * repeats * (2 if ingest_mib else 1), "bench scale", enabled=not as_json) as advance:
+    steps = 2 * repeats * (2 if ingest_mib else 1) + (repeats if writeback_mib else 0)
+    with progress(steps, "bench scale", enabled=not as_json) as advance:
         res = bench_scale(total_mib=total_mib, batch_pages=batch_pages, get1_blocks=get1_blocks, repeats=repeats,
                           ingest_mib=ingest_mib, open_blocks=open_blocks, open_large_blocks=open_large_blocks,
-                          dir_path=dir_path,
+                          writeback_mib=writeback_mib, dir_path=dir_path,
                           progress=lambda done, total: advance())
     emit(res, as_json)
 

@@ -48,6 +48,7 @@ from kvdb.format.record import (
     decode_put,
 )
 from kvdb.fs import IOV_MAX
+from kvdb.threads import submit_or_none
 from kvdb.types import KEY_BYTES
 
 READ_SLICE_BYTES = 4 << 20  # raw runs are read and checked in slices of this many bytes
@@ -271,7 +272,7 @@ class BlockReader:
                     continue  # the segment is gone: the per-entry path looks again
                 heads = np.empty((len(part), PUT_PAYLOAD_OFFSET), dtype=np.uint8)
                 at = at_rows[part]
-                fut = pool.submit(self._safe_preadv_rows, fd, heads, out, at, off) if pool is not None else None
+                fut = submit_or_none(pool, self._safe_preadv_rows, fd, heads, out, at, off)  # None: read inline below
                 jobs.append((part, heads, at, fut, fd, off))
             for part, heads, at, fut, fd, off in jobs:
                 n = fut.result() if fut is not None else self._safe_preadv_rows(fd, heads, out, at, off)

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import sys
 import threading
 import time
 import warnings
@@ -68,6 +69,7 @@ from kvdb.db.open import (
 from kvdb.db.plans import PlansMixin
 from kvdb.db.read import ReadMixin
 from kvdb.db.write import WriteMixin
+from kvdb.db.writeback import BackgroundWriter
 from kvdb.errors import CapacityError, DbFailedError, InvalidInput, KvdbError, StorageIOError
 from kvdb.format.layout import BlockLayout
 from kvdb.format.record import CODEC_NAMES
@@ -91,7 +93,7 @@ def _close_open_dbs() -> None:
 
 
 def check_early(tp_rank, tp_size, pp_rank, pp_size, device_free_fraction, session_idle_s, max_space_amp,
-                key_algo="sha256", codec="raw", clock=None) -> None:
+                key_algo="sha256", codec="raw", clock=None, writeback_s=None) -> None:
     """Options checked before the directory is touched (no mkdir, no lock, no secret written):
     parallel ranks (kvdb/keys.py ``check_ranks``), the key algorithm, the codec, the clock and
     the fractional options -- real numbers only, and an int past float's range (10**400) is
@@ -105,7 +107,7 @@ def check_early(tp_rank, tp_size, pp_rank, pp_size, device_free_fraction, sessio
     if clock is not None and not callable(clock):
         raise InvalidInput(f"clock must be a callable returning monotone seconds (or None), got {type(clock).__name__}")
     for name, v in (("device_free_fraction", device_free_fraction), ("session_idle_s", session_idle_s),
-                    ("max_space_amp", max_space_amp)):
+                    ("max_space_amp", max_space_amp), ("writeback_s", writeback_s)):
         if v is None and name != "device_free_fraction":
             continue
         if isinstance(v, bool) or not isinstance(v, (int, float)):
@@ -114,6 +116,9 @@ def check_early(tp_rank, tp_size, pp_rank, pp_size, device_free_fraction, sessio
             float(v)
         except OverflowError:
             raise InvalidInput(f"{name}={v!r:.40} is past the range of a float") from None
+    if writeback_s is not None and not (0.0 < writeback_s < float("inf")):
+        raise InvalidInput(f"writeback_s must be a positive finite number of seconds or None (write back only on "
+                           f"eviction, flush and close), got {writeback_s!r}")
     if not 0.0 <= device_free_fraction < 1.0:
         raise InvalidInput(f"device_free_fraction must be in [0, 1), got {device_free_fraction!r}")
 
@@ -147,6 +152,7 @@ class Db(WriteMixin, ReadMixin, MovesMixin, LandingMixin, PlansMixin, AttachedMi
         session_idle_s: float | None = 3600.0,
         max_space_amp: float | None = 2.0,  # kvdb.cold.store.DEFAULT_MAX_SPACE_AMP
         read_only: bool = False,
+        writeback_s: float | None = 1.0,
     ) -> None:
         self.path = Path(path)
         # read_only: inspection (kvdb stats, verify) that writes no byte, takes no lock and so
@@ -158,12 +164,15 @@ class Db(WriteMixin, ReadMixin, MovesMixin, LandingMixin, PlansMixin, AttachedMi
         self._state = "opening"
         self._failure: BaseException | None = None
         self._lock = threading.RLock()
+        # a background write-back batch and delete() exclude each other (kvdb/db/writeback.py B3)
+        self._writeback_mu = threading.Lock()
+        self._writer: BackgroundWriter | None = None
         self._lock_fd: int | None = None
         self._init_attached()
         self._prompts = PromptBook()  # rendered prompts: break accounting, near matches (kvdb/prompts/book.py)
         host_bytes, device_bytes, disk_bytes = check_sizes(host_bytes, device_bytes, disk_bytes)  # "4GiB" or ints
         check_early(tp_rank, tp_size, pp_rank, pp_size, device_free_fraction, session_idle_s, max_space_amp,
-                    key_algo, codec, clock)
+                    key_algo, codec, clock, writeback_s)
         # the disk tier compacts on its own past this space amplification (kvdb/cold/store.py)
         self._max_space_amp = check_options(durability, host_bytes, device_bytes, session_idle_s, max_space_amp)
         # a session idle this long is ended by the mover (kvdb/db/plans/expiry.py S1-S3)
@@ -184,6 +193,8 @@ class Db(WriteMixin, ReadMixin, MovesMixin, LandingMixin, PlansMixin, AttachedMi
             raise
         self._state = "open"
         _OPEN_DBS.add(self)
+        if writeback_s is not None and self._cold is not None and not self.read_only:
+            self._writer = BackgroundWriter(self, float(writeback_s), self.layout.page_bytes)
 
     # ------------------------------------------------------------------ open / close
 
@@ -238,6 +249,9 @@ class Db(WriteMixin, ReadMixin, MovesMixin, LandingMixin, PlansMixin, AttachedMi
 
     def close(self) -> None:
         """Write back dirty pages (when the disk tier is on), close the cold tier, drop the lock."""
+        writer = getattr(self, "_writer", None)
+        if writer is not None:
+            writer.stop()
         mover = getattr(self, "_mover", None)
         if mover is not None:
             mover.shutdown(wait=True)
@@ -281,14 +295,24 @@ class Db(WriteMixin, ReadMixin, MovesMixin, LandingMixin, PlansMixin, AttachedMi
             return
         warnings.warn(f"kvdb: {self.path} was never closed; closing it {when} (call close() or use "
                       "'with kvdb.open(...)')", ResourceWarning, stacklevel=2)
+        failure = self._failure if self._state == "failed" else None
         try:
             self.close()
         except Exception as e:  # noqa: BLE001 - nobody to raise to: say so, and drop the lock
-            warnings.warn(f"kvdb: closing {self.path} {when} failed: {e!r}", ResourceWarning, stacklevel=2)
+            failure = e
             try:
                 self._drop_lock()
             except OSError:
                 pass
+        if failure is not None and self._cold is not None and not self.read_only:
+            # a loss is never silent: one line, whatever the warning filters say
+            try:
+                lost = self.pool.dirty_count()
+            except Exception:  # noqa: BLE001 - the count is best effort, the line is not
+                lost = "some"
+            if lost:
+                print(f"kvdb: error: closing {self.path} {when} failed; {lost} blocks stored with "
+                      f"durability='none' were not written to disk: {failure}", file=sys.stderr, flush=True)
 
     def _check(self) -> None:
         if self._state == "open":

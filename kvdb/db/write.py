@@ -21,6 +21,9 @@ from kvdb.errors import InvalidInput, StorageIOError
 from kvdb.keys import normalize_keys
 from kvdb.types import DURABILITIES
 
+#: the most bytes one write-back batch puts (a view of the arena, or a copy of scattered pages)
+WRITE_BACK_BYTES = 256 << 20
+
 
 class WriteMixin:
     def put_blocks(self, keys, blocks: torch.Tensor, *, positions: Sequence[int] | None = None,
@@ -150,11 +153,17 @@ class WriteMixin:
             raise
 
     def _write_back_all(self) -> None:
-        keys, pages, positions = self.pool.dirty_pages()
-        if not keys:
-            return
-        self._cold_call(self._cold.put, keys, pages.numpy(), positions, "sync")
-        self.pool.mark_clean(keys)
+        """Caller holds our lock: every dirty page to the log, then one fsync. In batches of at
+        most WRITE_BACK_BYTES written straight from the arena (kvdb/buffer_pool/pool.py
+        ``dirty_batches``): no copy of the whole dirty set into fresh memory, whose first touch
+        cost more than the disk write (a 4 GiB close ran at ~0.1x the disk's speed)."""
+        wrote = False
+        for keys, pages, positions in self.pool.dirty_batches(WRITE_BACK_BYTES):
+            self._cold_call(self._cold.put, keys, pages.numpy(), positions, "none")
+            self.pool.mark_clean(keys)
+            wrote = True
+        if wrote:
+            self._cold_call(self._cold.flush)
 
     def flush(self) -> None:
         """Make every block stored so far durable (write back dirty pages, fsync)."""
@@ -169,13 +178,14 @@ class WriteMixin:
         """Delete keys from every tier; returns how many were stored. Unknown keys are ignored."""
         self._check_writable()
         keys = normalize_keys(keys)
-        with self._lock:
-            self._unprotect(keys)
-            found = [self.pool.delete(k) for k in keys]
-        if self._cold is not None:
-            on_disk = self._cold_call(self._cold.contains, keys)
-            gone = [k for k, d in zip(keys, on_disk) if d]
-            if gone:
-                self._cold_call(self._cold.delete, gone)
-            found = [a or b for a, b in zip(found, on_disk)]
+        with self._writeback_mu:  # no background batch writes these back behind us (kvdb/db/writeback.py B3)
+            with self._lock:
+                self._unprotect(keys)
+                found = [self.pool.delete(k) for k in keys]
+            if self._cold is not None:
+                on_disk = self._cold_call(self._cold.contains, keys)
+                gone = [k for k, d in zip(keys, on_disk) if d]
+                if gone:
+                    self._cold_call(self._cold.delete, gone)
+                found = [a or b for a, b in zip(found, on_disk)]
         return sum(found)

@@ -45,6 +45,7 @@ from kvdb.format.record import (
     seal_rows,
 )
 from kvdb.fs import IOV_MAX, OsFs
+from kvdb.threads import submit_or_none
 from kvdb.wal.segments import segment_path
 
 _CRC = struct.Struct("<I")  # a record header's crc field (bytes 4..8)
@@ -237,9 +238,8 @@ class LogWriter:
                     if writing is not None:
                         writing, w = None, writing
                         w.result()
-                    if n > step:
-                        writing = self._io.submit(write, *args)
-                    else:
+                    writing = submit_or_none(self._io, write, *args) if n > step else None
+                    if writing is None:  # one write, or a pool that takes no work at exit: inline
                         write(*args)
                     if runs and runs[-1][0] == seg.segment_no:
                         runs[-1][3] += count

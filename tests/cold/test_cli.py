@@ -85,7 +85,7 @@ def test_bench_scale_json_reports_ingest_and_open_figures_next_to_their_baseline
     # issue 12 item 5: each figure with its same-run baseline (no timing asserted)
     r = run("bench", "scale", "--json", "--dir", str(tmp_path), "--total-mib", "1", "--batch-pages", "8",
             "--get1-blocks", "2", "--repeats", "1", "--ingest-mib", "1", "--open-blocks", "100",
-            "--open-large-blocks", "300")
+            "--open-large-blocks", "300", "--writeback-mib", "128")
     assert r.exit_code == 0, r.output
     res = json.loads(r.stdout)
     for size in ("4k", "64k"):
@@ -96,6 +96,8 @@ def test_bench_scale_json_reports_ingest_and_open_figures_next_to_their_baseline
             assert k in ing, k
         assert ing["blocks"] * ing["page_bytes"] >= 1 << 20
     assert {"open_10k_s", "rocksdb_open_10k_s", "open_1m_s", "rocksdb_open_1m_s", "open_py_bytes_per_block",
-            "open_rss_bytes_per_block", "read_gbps", "raw_read_gbps", "ingest_goals"} <= set(res)
+            "open_rss_bytes_per_block", "read_gbps", "raw_read_gbps", "ingest_goals", "read_small_host_gbps",
+            "read_small_host_vs_raw", "close_gbps", "close_raw_write_gbps", "close_vs_raw"} <= set(res)
+    assert {"read_small_host_vs_raw_min", "close_vs_raw_min", "met"} <= set(res["goals"])
     assert res["open_small_blocks"] == 100 and res["open_large_blocks"] == 300
     assert list(tmp_path.iterdir()) == []  # scratch files removed
