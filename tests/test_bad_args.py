@@ -3,7 +3,7 @@ before changing anything): every public call of the Db answers a malformed argum
 typed ``InvalidInput`` that says what is wrong, and afterwards the store is as it was -- the
 same stats, the same pool occupancy, the same log bytes on disk, the same sessions. Also
 two API items of issue 15: ``prefix_hash`` takes the key object, and ``kvdb.open`` spells out
-every option (no ``**kwargs``), as the README's row lists them."""
+every option (no ``**kwargs``), as docs/api.md's row lists them."""
 
 from __future__ import annotations
 
@@ -274,11 +274,11 @@ def test_snapshot_sees_a_change(swept):
     assert math.isfinite(db.stats()["sessions"])
 
 
-# ---------------------------------------------------------------- issue 15: the API as the README shows it
+# ---------------------------------------------------------------- issue 15: the API as the docs show it
 
 
 def test_prefix_hash_takes_the_key_object_itself(tmp_path):
-    # Scenario: the README says prefix_hash is "the key of a shared prefix's last block": the
+    # Scenario: docs/api.md says prefix_hash is "the key of a shared prefix's last block": the
     # BlockKey from db.block_keys resolves and protects the prefix just as its .hex() does.
     with open_db(tmp_path, Clock()) as db:
         keys = db.block_keys(list(range(12)), tenant="acme")  # 3 blocks
@@ -293,9 +293,10 @@ def test_prefix_hash_takes_the_key_object_itself(tmp_path):
         assert db.stats()["plans"]["prefixes"] == 1  # the same prefix, named both ways
 
 
-def _readme_open_params() -> list[str]:
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    row = next(line for line in readme.splitlines() if line.startswith("| `kvdb.open("))
+def _api_doc_open_params() -> list[str]:
+    """kvdb.open's parameters as docs/api.md's row lists them (the option reference the README links)."""
+    api = (Path(__file__).resolve().parent.parent / "docs" / "api.md").read_text()
+    row = next(line for line in api.splitlines() if line.startswith("| `kvdb.open("))
     inside = re.search(r"`kvdb\.open\((.*?)\)`", row).group(1)
     names = []
     for part in inside.split(", "):
@@ -305,7 +306,7 @@ def _readme_open_params() -> list[str]:
     return names
 
 
-def test_kvdb_open_signature_is_explicit_and_matches_db_and_readme():
+def test_kvdb_open_signature_is_explicit_and_matches_db_and_api_doc():
     sig = inspect.signature(kvdb.open)
     params = sig.parameters
     assert not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
@@ -316,7 +317,7 @@ def test_kvdb_open_signature_is_explicit_and_matches_db_and_readme():
             continue
         assert name in params, f"kvdb.open lacks Db's option {name}"
         assert params[name].default == p.default, name
-    assert list(params) == _readme_open_params()
+    assert list(params) == _api_doc_open_params()
 
 
 # ---------------------------------------------------------------- property: a put either stores or leaves no trace

@@ -3,8 +3,9 @@ temporary directory, each in its own interpreter; a block that needs what a test
 (vLLM and a model, replication nodes at real addresses) starts with a visible marker comment,
 ``# not run by tests/test_readme_code.py: <why>``, and is reported as skipped with that reason.
 
-Also: the README's ``replacer=`` names are exactly those ``kvdb.open`` accepts, and the Planner
-section names every policy (both read from kvdb/planner/policies/, never copied here)."""
+Also: the ``replacer=`` names of docs/api.md (the option reference the README links) are exactly
+those ``kvdb.open`` accepts, and the README's Planner section names every policy (both read from
+kvdb/planner/policies/, never copied here)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from kvdb.planner.policies import POLICIES
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 TEXT = README.read_text()
+API_DOC = README.parent / "docs" / "api.md"
 MARKER = re.compile(r"\A# not run by tests/test_readme_code\.py: (\S.*)\n")
 
 
@@ -59,11 +61,11 @@ def accepted_replacers() -> set[str]:
     return ok
 
 
-def test_readme_lists_every_replacer_kvdb_open_takes():
-    text = re.search(r"`replacer`: (.*?) or a factory", TEXT, re.S).group(1)
+def test_api_doc_lists_every_replacer_kvdb_open_takes():
+    text = re.search(r"`replacer`: (.*?) or a factory", API_DOC.read_text(), re.S).group(1)
     named = re.sub(r"\(.*?\)", "", text)  # the parenthesis names the replay-only ones
     assert set(re.findall(r'`"([a-z0-9]+)"`', named)) == accepted_replacers(), \
-        f"README.md 'API', kvdb.open's replacer: list exactly {sorted(accepted_replacers())}"
+        f"docs/api.md, kvdb.open's replacer: list exactly {sorted(accepted_replacers())}"
     assert set(POLICIES) - accepted_replacers() <= set(re.findall(r'`"([a-z0-9]+)"`', text))
 
 

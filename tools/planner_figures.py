@@ -1,4 +1,5 @@
-"""Reproduce the README's Planner tables: hit ratios and gap closure, then the timed replay.
+"""Reproduce the planner's figures (docs/planner.md "Measured standing"): hit ratios and gap
+closure, then the timed replay.
 
     .venv/bin/python tools/planner_figures.py [--shared DIR] [--json]
 

@@ -1,6 +1,6 @@
 """``kvdb bench cold``: the disk tier against raw file I/O of the same bytes, same filesystem.
 
-Figures (all measured in one run; the latest in README.md "Benchmarks"):
+Figures (all measured in one run; the latest in docs/benchmarks.md):
 
 * ``raw_write_gbps``   write the pages to a plain file in batches, fdatasync after each batch;
 * ``write_gbps``       ColdStore.put of the same batches under ``group`` (one shared fsync each);

@@ -1,6 +1,6 @@
 """``kvdb bench datapath``: host-tier put / get bandwidth against torch ``copy_`` of the same bytes.
 
-Baseline (README.md "Benchmarks"): ``copy_`` of one batch into a preallocated tensor of the same size, timed
+Baseline (docs/benchmarks.md): ``copy_`` of one batch into a preallocated tensor of the same size, timed
 in the same process right before the Db runs. Figures are best-of-N per batch (bandwidth is a
 property of the path, not of the noisiest moment on a shared 2-core machine).
 

@@ -1,6 +1,6 @@
 """``kvdb bench keys``: block keys for a long prompt against plain ``hashlib.sha256``.
 
-Baseline (README.md "Benchmarks"): one ``hashlib.sha256`` digest per block over the very same
+Baseline (docs/benchmarks.md): one ``hashlib.sha256`` digest per block over the very same
 token bytes (uint32 LE, ``block_tokens`` per block), looped in Python over zero-copy
 memoryview slices -- the cheapest way Python itself hashes those bytes. It does no chaining,
 no namespace and no truncation, so it is a floor on the work, not a rival key scheme.

@@ -9,7 +9,7 @@ from helpers import load_tool
 def test_kvdb_passes_a_small_held_out_sweep_and_the_summary_names_every_variant(capsys):
     tool = load_tool("heldout_sweep")
     # 12 sessions keep it quick; at 1 % such traces leave 12-44 blocks, less than two calls, and
-    # kvdb falls below LRU in some of those cells (docs/planner.md, "Not done", session 27)
+    # kvdb falls below LRU in some of those cells (docs/planner.md "Limits")
     code = tool.main(["--variants", "default,wrong", "--seeds", "7", "--fractions", "0.02,0.05", "--sessions", "12"])
     out = capsys.readouterr().out
     assert code == 0, out
