@@ -165,10 +165,15 @@ class WriteMixin:
         if wrote:
             self._cold_call(self._cold.flush)
 
-    def flush(self) -> None:
-        """Make every block stored so far durable (write back dirty pages, fsync)."""
+    def flush(self, wait: bool = True) -> None:
+        """Make every block stored so far durable (write back dirty pages, fsync). ``wait=False``
+        hands the write-back to the background writer (kvdb/db/writeback.py) and returns at once:
+        an engine calls it after a step's saves so that a stop soon after finds them on disk."""
         self._check()
         if self._cold is None:
+            return
+        if not wait and self._writer is not None:
+            self._writer.kick()
             return
         with self._lock:
             self._write_back_all()

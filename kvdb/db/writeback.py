@@ -59,13 +59,18 @@ class BackgroundWriter:
         self._per = max(1, BATCH_BYTES // page_bytes)
         self._page_bytes = page_bytes
         self._stop = threading.Event()
+        self._kick = threading.Event()  # a round now (``Db.flush(wait=False)``), not after the interval
         self._thread = threading.Thread(target=self._run, args=(weakref.ref(db),), name="kvdb-writeback",
                                          daemon=True)
         self._thread.start()
 
     def _run(self, ref) -> None:
         staging = None
-        while not self._stop.wait(self.interval_s):
+        while not self._stop.is_set():
+            self._kick.wait(self.interval_s)
+            self._kick.clear()
+            if self._stop.is_set():
+                return
             db = ref()  # B4: a strong reference only for one round
             if db is None:
                 return
@@ -80,9 +85,14 @@ class BackgroundWriter:
             finally:
                 del db
 
+    def kick(self) -> None:
+        """Start a round now."""
+        self._kick.set()
+
     def stop(self) -> None:
         """Stop the thread after the batch it is writing (idempotent)."""
         self._stop.set()
+        self._kick.set()
         if threading.current_thread() is not self._thread:
             self._thread.join()
 

@@ -13,6 +13,11 @@ of its process's life, so each scenario is a fresh interpreter. Scenarios:
     prompts  one process, a fresh path: an agent's two calls whose tool lists differ only in order,
              rendered by kvdb.prompts canonically (session "canon") and raw (session "raw"), the
              segments in kv_transfer_params["prompt"]
+    stored   no engine: how many of P's blocks the Db at the path holds (read-only), and whether
+             a writer can open it (nobody holds its lock)
+
+No scenario closes the Db: the process ends with vLLM's engine and the Db open, as a user's
+script does, and the Db's exit hook writes back what is in memory (tests/test_stops.py).
 """
 
 from __future__ import annotations
@@ -108,6 +113,20 @@ def restart(model: str, path: str) -> dict:
     return {"p2": run(llm, P2), "p": run(llm, P)}
 
 
+def stored(model: str, path: str) -> dict:
+    import kvdb
+    from kvdb.errors import DbLockedError
+
+    with kvdb.open(path, read_only=True) as db:
+        n = db.match_prefix(db.engine_keys([bytes.fromhex(h) for h in vllm_hashes(P)]))
+    try:
+        kvdb.open(path).close()
+        free = True
+    except DbLockedError:
+        free = False
+    return {"p_blocks": n, "lock_free": free}
+
+
 def mp(model: str, path: str) -> dict:
     llm = make_llm(model, path, single=False)
     return {"p": [run(llm, P), run(llm, P)]}
@@ -153,10 +172,6 @@ if __name__ == "__main__":
     scenario, model, path, out = sys.argv[1:5]
     if scenario != "mp":
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    result = {"first": first, "restart": restart, "mp": mp, "prompts": prompts}[scenario](model, path)
+    result = {"first": first, "restart": restart, "mp": mp, "prompts": prompts, "stored": stored}[scenario](model, path)
     with open(out, "w") as f:
         json.dump(result, f, default=str)
-    if scenario != "mp":  # the Db is in this process: close it now, as vLLM's shutdown would
-        from kvdb.integrations.vllm.service import local_service
-
-        local_service(path).worker.close()

@@ -41,6 +41,11 @@ Invariants
 from __future__ import annotations
 
 import logging
+import multiprocessing
+import os
+import signal
+import threading
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -124,6 +129,8 @@ class KvdbConnector(KVConnectorBase_V1):
         self.worker: Worker | None = None
         if role == KVConnectorRole.WORKER:
             self.worker = Worker(vllm_config, kv_cache_config, self.settings)
+        else:
+            watch_parent()
 
     # ================================================================ scheduler half
     def _call(self, msg: dict) -> dict | None:
@@ -281,6 +288,35 @@ class KvdbConnector(KVConnectorBase_V1):
     def kvdb_stats(self) -> dict | None:
         """The connector's counters and ``Db.stats()``, from either half."""
         return self._call({"op": "stats"})
+
+
+#: how often the engine process checks that the process which started it is still there
+PARENT_POLL_S = 1.0
+_watching = False
+
+
+def watch_parent() -> None:
+    """In a process vLLM spawned for its engine (``EngineCore``), stop the engine when the process
+    that started it is gone. vLLM's engine has no check of its own: after a SIGKILL of the API
+    server, the engine and its worker live on and the worker keeps the data directory locked, so
+    a restarted server cannot open it. A SIGTERM to ourselves takes vLLM's own shutdown path:
+    the engine stops its workers, whose connectors close the Db. In the caller's own process
+    (``LLM`` with ``VLLM_ENABLE_V1_MULTIPROCESSING=0``) there is nothing to watch."""
+    global _watching
+    parent = multiprocessing.parent_process()
+    if parent is None or _watching:
+        return
+    _watching = True
+    ppid = os.getppid()
+
+    def run() -> None:
+        while os.getppid() == ppid:
+            time.sleep(PARENT_POLL_S)
+        log.warning("kvdb: the process that started this vLLM engine (pid %d) is gone; stopping the engine so "
+                    "that its worker closes the kvdb data directory", ppid)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=run, name="kvdb-parent-watch", daemon=True).start()
 
 
 def _wire(msg: dict) -> dict:

@@ -189,8 +189,11 @@ class Worker:
             try:
                 keys, buf = self._keys(m)
                 self.paged.gather(self.caches, torch.as_tensor(m.block_ids, dtype=torch.int64), buf)
-                self.service.counters.saved_blocks += self.db.put_blocks(
-                    keys, buf[:n], positions=range(m.first_block, m.first_block + n), ctx=self.service.ctx(m.req_id))
+                saved = self.db.put_blocks(keys, buf[:n], positions=range(m.first_block, m.first_block + n),
+                                           ctx=self.service.ctx(m.req_id))
+                self.service.counters.saved_blocks += saved
+                if saved:  # on disk soon, not at the background writer's next round: vLLM's
+                    self.db.flush(wait=False)  # default shutdown kills this process (docs/vllm.md)
             except KvdbError as e:  # a save that cannot be made is a future miss, never a failed step
                 self.service.counters.failed_saves += 1
                 log.warning("kvdb: request %s: %d blocks not saved: %s", m.req_id, n, e)
