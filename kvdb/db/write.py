@@ -44,15 +44,20 @@ class WriteMixin:
         if ctx is not None:
             self._note_call_keys(ctx, keys)
 
+        placed: list[int] = []  # rows stored new in memory: offered to the shared tier after
+
         def place(rows: list[int], dirty: bool) -> None:
             if not rows:
                 return
             rkeys, rpos = [keys[i] for i in rows], [pos[i] for i in rows]
             self.pool.insert(rkeys, self._select(pages, rows), rpos, dirty=dirty, ctx=ctx or AccessContext(positions=rpos))
             self._maybe_make_room()
+            placed.extend(rows)
 
-        return self._store(keys, pos, lambda rows: self._select(pages, rows), durability,
-                           None if tier == "disk" else place)
+        new = self._store(keys, pos, lambda rows: self._select(pages, rows), durability,
+                          None if tier == "disk" else place)
+        self._offer_shared(keys, pages, placed)  # kvdb/db/attached.py: never waits for the pool
+        return new
 
     def _check_positions(self, positions, n: int) -> list[int]:
         if positions is None:
@@ -157,8 +162,11 @@ class WriteMixin:
         self.pool.mark_clean(keys)
 
     def flush(self) -> None:
-        """Make every block stored so far durable (write back dirty pages, fsync)."""
+        """Make every block stored so far durable (write back dirty pages, fsync) and, with a
+        shared tier, published to the pool (or dropped: docs/shared.md S2)."""
         self._check()
+        if self._shared is not None:
+            self._shared.wait_published()
         if self._cold is None:
             return
         with self._lock:
@@ -178,4 +186,6 @@ class WriteMixin:
             if gone:
                 self._cold_call(self._cold.delete, gone)
             found = [a or b for a, b in zip(found, on_disk)]
+        if self._shared is not None:
+            self._shared.remove(keys)
         return sum(found)
