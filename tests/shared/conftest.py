@@ -30,7 +30,7 @@ from kvdb.shared.client import mooncake_store_error
 HERE = Path(__file__).resolve().parent
 # 4 layers x 2 x 16 tokens x 8 heads x 128 dims x 2 bytes = 256 KiB pages (an engine's size)
 LAYOUT = BlockLayout(num_layers=4, num_kv_heads=8, head_dim=128, block_tokens=16, dtype=torch.bfloat16)
-MASTER_PORT = 50051
+_ports = iter(range(50100, 60000, 2))  # master rpc port, metrics port + 1: one pair per pool
 
 _WHY = mooncake_store_error()
 _WHY = _WHY and f"the Mooncake Store client does not import ({_WHY})"
@@ -74,7 +74,7 @@ class Pool:
     """A master and storage processes on 127.0.0.1 inside the caller's network namespace."""
 
     def __init__(self, storage_bytes: list[int], lease_ms: int = 2000) -> None:
-        self.port = MASTER_PORT
+        self.port = next(_ports)
         self.lease_ms = lease_ms
         self.url = f"mooncake://127.0.0.1:{self.port}"
         self.master: subprocess.Popen | None = None
@@ -125,13 +125,22 @@ class Pool:
                 self.kill(p)
 
 
-@pytest.fixture
-def pool_factory():
-    """``make(storage_bytes=[...])``: a fresh pool in a fresh namespace for this test."""
+@pytest.fixture(scope="session")
+def shared_netns():
+    """One private namespace for every pool of the session: the Store client keeps process-wide
+    connections and threads, made in the namespace they were first needed in, so each pool gets
+    its own ports instead of its own namespace."""
     need_pool()
+    with private_netns():
+        yield
+
+
+@pytest.fixture
+def pool_factory(shared_netns):
+    """``make(storage_bytes=[...])``: a fresh pool (master and storage processes) for this test,
+    stopped by pid after it."""
     with ExitStack() as stack:
         def make(storage_bytes=(64 << 20,), **kw) -> Pool:
-            stack.enter_context(private_netns())
             p = Pool(list(storage_bytes), **kw)
             stack.callback(p.stop)
             return p
