@@ -26,8 +26,8 @@ def tokens(n: int, seed: int) -> list[int]:
 
 
 def open_db(path, url, **kw):
-    return kvdb.open(path, layout=LAYOUT, model_id="shared-test", key_secret=KEY_SECRET, host_bytes=64 * LAYOUT.page_bytes,
-                     shared=url, **kw)
+    kw.setdefault("host_bytes", 64 * LAYOUT.page_bytes)
+    return kvdb.open(path, layout=LAYOUT, model_id="shared-test", key_secret=KEY_SECRET, shared=url, **kw)
 
 
 def digest(t: torch.Tensor) -> str:
