@@ -245,3 +245,23 @@ def test_lookups_never_hold_off_eviction(pool_factory, tmp_path):
 
         assert evicted_and_landed() or wait_for(lambda: master_metric(pool, "master_evicted_key_count") > 0, "eviction")
         assert w.stats()["shared"]["puts"] > 48
+
+
+def test_stats_metrics_and_cli_show_the_shared_tier(pool, tmp_path):
+    from click.testing import CliRunner
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    import kvdb.metrics
+    from kvdb.cli.main import cli
+
+    with open_db(tmp_path / "a", pool.url) as db:
+        keys = db.block_keys(tokens(4, 51))
+        db.put_blocks(keys, make_blocks(4, 51))
+        db.flush()
+        reg = CollectorRegistry()
+        kvdb.metrics.register(db, reg)
+        text = generate_latest(reg).decode()
+        assert 'kvdb_shared_events_total{event="puts"} 4.0' in text
+        assert "kvdb_shared_breaker_open 0.0" in text
+    r = CliRunner().invoke(cli, ["stats", str(tmp_path / "a"), "--json"])
+    assert r.exit_code == 0 and '"shared"' not in r.output  # read-only: no pool
