@@ -113,9 +113,13 @@ class SharedTier:
         with self._slot_mu:
             free.extend(slots)
 
-    def _ptrs(self, slots: list[int]) -> list[int]:
+    def _on_slots(self, call, keys: list[bytes], slots: list[int], free: deque) -> tuple[str, object]:
+        """``call(names, ptrs, sizes)`` of the objects of ``keys`` in staging ``slots``, under the
+        deadline (S8); the slots go back to ``free`` when a late call finally returns."""
         base, row = self.staging.ctypes.data, self.obj_bytes
-        return [base + s * row for s in slots]
+        names, ptrs = fmt.object_names(self.ns, keys), [base + s * row for s in slots]
+        sizes = [row] * len(keys)
+        return self.calls.run(lambda: call(names, ptrs, sizes), on_late=lambda: self._give(free, slots))
 
     # ------------------------------------------------------------------ publishing (S2)
 
@@ -191,12 +195,7 @@ class SharedTier:
                 sealed = self.sealer.seal(page, fmt.sealed_aad(self.ns, k))
                 row[fmt.HEADER_BYTES : fmt.HEADER_BYTES + self.payload_bytes] = np.frombuffer(sealed, dtype=np.uint8)
             fmt.write_header(row, k, self.payload_bytes, self.sealed)
-        names = fmt.object_names(self.ns, keys)
-        ptrs = self._ptrs(slots)
-        sizes = [self.obj_bytes] * len(keys)
-        client = self.client
-        status, codes = self.calls.run(lambda: client.put_from(names, ptrs, sizes),
-                                       on_late=lambda: self._give(self._free_put, slots))
+        status, codes = self._on_slots(self.client.put_from, keys, slots, self._free_put)
         if status == LATE:
             self.counts["dropped_puts"] += len(keys)
             return
@@ -267,12 +266,7 @@ class SharedTier:
         if not slots:
             return 0
         uniq = uniq[: len(slots)]
-        names = fmt.object_names(self.ns, uniq)
-        ptrs = self._ptrs(slots)
-        sizes = [self.obj_bytes] * len(uniq)
-        client = self.client
-        status, codes = self.calls.run(lambda: client.get_into(names, ptrs, sizes),
-                                       on_late=lambda: self._give(self._free_get, slots))
+        status, codes = self._on_slots(self.client.get_into, uniq, slots, self._free_get)
         if status == LATE:
             self.counts["misses"] += len(uniq)
             return 0
