@@ -50,7 +50,7 @@ class SharedTier:
         self.sealed = sealer is not None
         self.payload_bytes = fmt.payload_bytes(self.page_bytes, self.sealed)
         self.obj_bytes = fmt.object_bytes(self.page_bytes, self.sealed)
-        slots = max(4, cfg.staging_bytes // self.obj_bytes)
+        slots = max(4 * BATCH, cfg.staging_bytes // self.obj_bytes)  # two batches each way at least
         # staging: one registered buffer of object rows; the first half for puts, the rest for gets
         self.staging = np.zeros((slots, self.obj_bytes), dtype=np.uint8)
         self._stage_t = torch.from_numpy(self.staging)

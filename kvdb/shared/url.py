@@ -4,7 +4,8 @@ Options: ``protocol`` (``tcp``, the default, or ``rdma``), ``device`` (RDMA devi
 ``mlx5_0``; comma-separated), ``local`` (the address this process's transfer engine advertises;
 default 127.0.0.1 for a master on loopback, else this host's name), ``deadline_ms`` (kvdb's own
 limit on every pool call, default 500), ``workers`` (threads that make pool calls, default 4),
-``staging`` (memory for objects on their way to or from the pool, default 64MiB). Anything else
+``staging`` (memory for objects on their way to or from the pool, default 64MiB, and
+at least two batches of 32 objects each way). Anything else
 is InvalidInput naming it, before anything is opened.
 """
 
