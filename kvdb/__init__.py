@@ -76,6 +76,8 @@ def open(  # noqa: A001 - mirrors sqlite3.connect / rocksdb open
     replicas: Sequence[str] = (),
     replication_secret_file: str | os.PathLike | None = None,
     replication_transport: str | None = None,
+    shared: str | None = None,
+    shared_bytes: int | str = 0,
 ) -> Db:
     """Open (creating when new) the kvdb data directory at ``path``.
 
@@ -99,8 +101,23 @@ def open(  # noqa: A001 - mirrors sqlite3.connect / rocksdb open
     Replication (kvdb/replication/, attached to the Db from above): ``peers`` ("host:port")
     serve local lookup misses, ``replicas`` are followers the log ships to, both with the
     shared secret in ``replication_secret_file``; ``replication_transport`` picks the data
-    plane ("auto", "mooncake", "tcp": kvdb/replication/transport.py)."""
+    plane ("auto", "mooncake", "tcp": kvdb/replication/transport.py).
+
+    Shared tier (kvdb/shared/, docs/shared.md): ``shared="mooncake://HOST:PORT"`` (a Mooncake
+    Store master; options as a query: ``?protocol=rdma&device=mlx5_0``) publishes new blocks to
+    the pool in the background and serves lookup misses from it; ``shared_bytes`` is the memory
+    this process lends the pool (0: a pure client). Without ``shared`` nothing Mooncake loads."""
     from kvdb.db import Db
+
+    shared_cfg = None
+    if shared is not None or shared_bytes not in (0, "0"):
+        from kvdb.shared.url import parse_shared  # checked before the directory is touched
+
+        if shared is None:
+            raise errors.InvalidInput("shared_bytes= needs shared='mooncake://HOST:PORT'")
+        if read_only:
+            raise errors.InvalidInput("a read_only Db has no shared tier; open it without shared=")
+        shared_cfg = parse_shared(shared, shared_bytes)
 
     db = Db(path, layout=layout, model_id=model_id, host_bytes=host_bytes, device_bytes=device_bytes, device=device,
             replacer=replacer, key_secret=key_secret, key_algo=key_algo, model_revision=model_revision,
@@ -113,6 +130,14 @@ def open(  # noqa: A001 - mirrors sqlite3.connect / rocksdb open
             from kvdb.replication.attach import attach_replication  # only for a replicated Db
 
             attach_replication(db, peers, replicas, replication_secret_file, replication_transport)
+        except BaseException:
+            db.close()
+            raise
+    if shared_cfg is not None:
+        try:
+            from kvdb.shared.attach import attach_shared  # only for a Db with a shared tier
+
+            attach_shared(db, shared_cfg, encryption_key_file)
         except BaseException:
             db.close()
             raise

@@ -9,6 +9,10 @@ Every series carries a ``tier`` label (device, host, disk), but the prompt count
 breaks, kvdb/prompts). Counters are monotone over the Db's life; gauges are resident pages and
 bytes. Nothing here is per tenant: metrics never tell one tenant about another's cache.
 
+A Db open with a shared tier (docs/shared.md) adds ``kvdb_shared_events_total{event=...}`` (hits,
+misses, puts, put_bytes, get_bytes, dropped_puts, dropped_full, corruptions, deadline_misses,
+removes) and ``kvdb_shared_breaker_open`` (1 while the breaker keeps calls off the pool).
+
 ``NodeCollector`` adds a replication node's figures (``kvdb replicate serve --metrics-port``):
 ``kvdb_replication_events_total{event=...}`` (the node's counters: connections, handshakes by
 outcome, blocks received and served, ...), ``kvdb_replication_connections{state=serving|handshaking}``
@@ -24,6 +28,9 @@ _GAUGES = {"pages": "resident pages", "bytes": "resident bytes", "capacity_pages
            "pinned_pages": "pages pinned now"}
 _COUNTERS = {"hits": "lookup hits", "misses": "lookup misses", "reads": "blocks read",
              "evictions": "pages evicted for room", "corruptions": "records failing their checksum"}
+
+_SHARED_EVENTS = ("hits", "misses", "puts", "put_bytes", "get_bytes", "dropped_puts", "dropped_full", "corruptions",
+                  "deadline_misses", "removes")
 
 _PROMPT_COUNTERS = {"calls": "prompts noted with a session (db.note_prompt)",
                     "breaks": "calls that shared fewer tokens than they could have (same segments, other order)",
@@ -53,6 +60,14 @@ class DbCollector:
         prompts = s.get("prompts") or {}
         for field, doc in _PROMPT_COUNTERS.items():
             yield CounterMetricFamily(f"{self.prefix}_prompt_{field}", doc, value=prompts.get(field, 0))
+        shared = s.get("shared")
+        if shared:
+            c = CounterMetricFamily(f"{self.prefix}_shared_events", "shared tier (pool) events", labels=["event"])
+            for name in _SHARED_EVENTS:
+                c.add_metric([name], shared.get(name, 0))
+            yield c
+            yield GaugeMetricFamily(f"{self.prefix}_shared_breaker_open", "1 while the shared tier's breaker is open",
+                                    value=0 if shared.get("breaker") == "closed" else 1)
 
 
 class NodeCollector:

@@ -26,7 +26,7 @@ FLOORS: list[set[str]] = [
     {"keys", "wal", "buffer_pool"},                    # 4: key spaces, the log, page frames
     {"cold", "planner", "metrics", "prompts"},         # 5: the cold tier, policies, prompt rendering
     {"db", "sim"},                                     # 6: the Db (pool + cold + plans); the simulator
-    {"replication"},                                   # 7: attaches to a Db from above
+    {"replication", "shared"},                         # 7: attach to a Db from above
     {"__init__"},                                      # 8: kvdb.open, the public API
     {"integrations"},                                  # 9: inside inference engines
     {"demo", "bench"},                                 # 10: examples and benchmarks (run engines)

@@ -18,7 +18,8 @@ from kvdb.cli.output import emit, json_option
 def stats_cmd(path: str, as_json: bool) -> None:
     """Show per-tier pages, bytes, hits, misses and evictions of the Db at PATH. Read-only: writes
     nothing, works while an engine has the Db open (its view: the log as of now) and on a
-    read-only copy."""
+    read-only copy. It opens no shared tier: the pool's figures are the engine's own
+    (``db.stats()["shared"]``, its Prometheus collector)."""
     from kvdb.db import Db
 
     with Db(path, host_bytes=_one_page(path), read_only=True) as db:
@@ -46,6 +47,14 @@ def _render_stats(s: dict, console) -> None:
     for name, tier in s["tiers"].items():
         t.add_row(name, *[str(tier.get(c, "")) for c in cols])
     console.print(t)
+    shared = s.get("shared")  # a Db open with shared= (kvdb stats PATH opens read-only: no pool)
+    if shared:
+        console.print("shared " + "  ".join(f"{k} {shared[k]}" for k in SHARED_SHOWN if k in shared))
+
+
+#: the shared tier's figures a stats table shows (docs/shared.md "Counters")
+SHARED_SHOWN = ("hits", "misses", "puts", "put_bytes", "get_bytes", "dropped_puts", "dropped_full", "corruptions",
+                "deadline_misses", "breaker")
 
 
 @click.group("bench")

@@ -13,6 +13,13 @@ object with ``attach_replication``. The Db then
   and the cold tier closes;
 * shows its ``counters_snapshot()`` (peers that refused this node: wrong secret, caps,
   another namespace) as ``stats()["replication"]``.
+
+The shared tier (kvdb/shared/, ``kvdb.open(..., shared=)``) attaches with ``attach_shared``;
+the Db then offers it the blocks each ``put_blocks`` stored new (``offer``), waits for their
+publication in ``flush`` (``wait_published``), asks it before replication for a lookup's
+missing leading keys (``fetch_prefix``) and, before a read, for keys on no local tier
+(``fetch_any``), tells it of deletes (``remove``), shows ``stats()["shared"]`` and closes it
+first in ``close`` (docs/shared.md).
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ class AttachedMixin:
         self._replication = None
         self._on_miss: Callable[[list, int], int] | None = None
         self._remote_hits = 0
+        self._shared = None  # the shared tier (kvdb/shared/tier.py), when open with shared=
 
     def attach_replication(self, replication, *, on_miss: Callable[[list, int], int] | None = None) -> None:
         """Attach the replication layer's object (once); ``on_miss`` serves lookup misses."""
@@ -41,7 +49,37 @@ class AttachedMixin:
         self._replication = replication
         self._on_miss = on_miss
 
+    def attach_shared(self, shared) -> None:
+        """Attach the shared tier (once; kvdb/shared/attach.py)."""
+        self._check()
+        if self._shared is not None:
+            raise InvalidInput("this Db already has a shared tier attached")
+        self._shared = shared
+
+    def _offer_shared(self, keys: list, pages, rows: list[int]) -> None:
+        """Hand the rows a put stored new to the shared tier (it copies them and returns)."""
+        if self._shared is not None and rows:
+            sel = pages[rows[0] : rows[0] + len(rows)] if rows == list(range(rows[0], rows[0] + len(rows))) \
+                else pages[rows]
+            self._shared.offer([keys[i] for i in rows], sel)
+
+    def _fill_from_shared(self, keys: list) -> None:
+        """Before a read: fetch the keys held on no local tier from the shared tier."""
+        if self._shared is None:
+            return
+        with self._lock:
+            self._check()
+            absent = [keys[i] for i in self.pool.absent_rows(keys)]
+        if absent and self._cold is not None:
+            absent = [k for k, d in zip(absent, self._cold_call(self._cold.contains, absent)) if not d]
+        if absent:
+            self._shared.fetch_any(absent)
+
     def _on_lookup_miss(self, keys: list, local: int) -> int:
+        if self._shared is not None:
+            local = self._shared.fetch_prefix(keys, local)
+            if local == len(keys):
+                return local
         if self._on_miss is None:
             return local
         now = self._on_miss(keys, local)
@@ -49,10 +87,16 @@ class AttachedMixin:
         return now
 
     def _attached_stats(self) -> dict:
-        replication = self._replication
-        return {"replication": replication.counters_snapshot()} if replication is not None else {}
+        replication, shared = self._replication, self._shared
+        out = {"replication": replication.counters_snapshot()} if replication is not None else {}
+        if shared is not None:
+            out["shared"] = shared.stats()
+        return out
 
     def _close_attached(self) -> None:
+        shared, self._shared = getattr(self, "_shared", None), None
+        if shared is not None:
+            shared.close()
         replication, self._replication, self._on_miss = getattr(self, "_replication", None), None, None
         if replication is not None:
             replication.close()

@@ -208,6 +208,7 @@ class ReadMixin:
         n = len(keys)
         dst = self._as_pages(out, n, "out", allow_larger=True)
         self._check_ctx(ctx)
+        self._fill_from_shared(keys)  # kvdb/db/attached.py: keys on no local tier, from the pool
         with self._lock:
             self._check()
             absent_rows = self.pool.absent_rows(keys)
@@ -262,6 +263,7 @@ class ReadMixin:
         self._check()
         keys = normalize_keys(keys)
         self._check_ctx(ctx)
+        self._fill_from_shared(keys)
         pool = self.pool
         with self._lock:
             self._check()

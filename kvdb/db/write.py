@@ -47,15 +47,20 @@ class WriteMixin:
         if ctx is not None:
             self._note_call_keys(ctx, keys)
 
+        placed: list[int] = []  # rows stored new in memory: offered to the shared tier after
+
         def place(rows: list[int], dirty: bool) -> None:
             if not rows:
                 return
             rkeys, rpos = [keys[i] for i in rows], [pos[i] for i in rows]
             self.pool.insert(rkeys, self._select(pages, rows), rpos, dirty=dirty, ctx=ctx or AccessContext(positions=rpos))
             self._maybe_make_room()
+            placed.extend(rows)
 
-        return self._store(keys, pos, lambda rows: self._select(pages, rows), durability,
-                           None if tier == "disk" else place)
+        new = self._store(keys, pos, lambda rows: self._select(pages, rows), durability,
+                          None if tier == "disk" else place)
+        self._offer_shared(keys, pages, placed)  # kvdb/db/attached.py: never waits for the pool
+        return new
 
     def _check_positions(self, positions, n: int) -> list[int]:
         if positions is None:
@@ -166,14 +171,18 @@ class WriteMixin:
             self._cold_call(self._cold.flush)
 
     def flush(self, wait: bool = True) -> None:
-        """Make every block stored so far durable (write back dirty pages, fsync). ``wait=False``
-        hands the write-back to the background writer (kvdb/db/writeback.py) and returns at once:
-        an engine calls it after a step's saves so that a stop soon after finds them on disk."""
+        """Make every block stored so far durable (write back dirty pages, fsync) and, with a
+        shared tier, published to the pool (or dropped: docs/shared.md S2). ``wait=False`` hands
+        the write-back to the background writer (kvdb/db/writeback.py) and returns at once: an
+        engine calls it after a step's saves so that a stop soon after finds them on disk."""
         self._check()
+        if not wait:
+            if self._writer is not None:
+                self._writer.kick()
+                return
+        if self._shared is not None:
+            self._shared.wait_published()
         if self._cold is None:
-            return
-        if not wait and self._writer is not None:
-            self._writer.kick()
             return
         with self._lock:
             self._write_back_all()
@@ -193,4 +202,6 @@ class WriteMixin:
                 if gone:
                     self._cold_call(self._cold.delete, gone)
                 found = [a or b for a, b in zip(found, on_disk)]
+        if self._shared is not None:
+            self._shared.remove(keys)
         return sum(found)
