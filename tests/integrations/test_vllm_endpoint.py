@@ -74,17 +74,6 @@ class Child:
         self.proc.wait(10)
 
 
-@pytest.fixture
-def served(tmp_path):
-    path = str(tmp_path / "db")
-    db = kvdb.open(path, layout=LAYOUT, model_id="m", host_bytes=1 << 20, disk_bytes=0)
-    svc = KvdbService(db, path)
-    svc.register()
-    yield svc
-    svc.unregister()
-    db.close()
-
-
 def until(cond, timeout_s: float = 20.0) -> None:
     """Wait for ``cond()`` (what a server thread does next), failing only after ``timeout_s``."""
     deadline = time.monotonic() + timeout_s

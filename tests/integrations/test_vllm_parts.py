@@ -22,7 +22,7 @@ if os.environ.get("KVDB_REQUIRE_VLLM") != "1":
 
 from kvdb.integrations.vllm.paged import KvMap, PagedLayout, probe_cpu_layout, strided_layout  # noqa: E402
 from kvdb.integrations.vllm.endpoint import connect  # noqa: E402
-from kvdb.integrations.vllm.service import MAX_FRAME, KvdbService, ServiceClient  # noqa: E402
+from kvdb.integrations.vllm.service import MAX_FRAME, ServiceClient  # noqa: E402
 from kvdb.integrations.vllm.settings import Settings  # noqa: E402
 
 BT, H, D, NB = 32, 2, 32, 6
@@ -149,17 +149,6 @@ def test_settings_from_extra_config():
 
 
 LAYOUT = kvdb.BlockLayout(num_layers=2, num_kv_heads=H, head_dim=D, block_tokens=BT, dtype=torch.float32)
-
-
-@pytest.fixture
-def served(tmp_path):
-    path = str(tmp_path / "db")
-    db = kvdb.open(path, layout=LAYOUT, model_id="m", host_bytes=1 << 20, disk_bytes=0)
-    svc = KvdbService(db, path)
-    svc.register()
-    yield svc
-    svc.unregister()
-    db.close()
 
 
 def test_lookups_and_session_calls_over_the_socket(served):

@@ -58,7 +58,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvdb.errors import FrameTooLarge, KvdbError
-from kvdb.integrations.vllm.endpoint import MAX_FRAME, Server, ServiceClient, socket_name  # noqa: F401
+from kvdb.integrations.vllm.endpoint import MAX_FRAME, Server, ServiceClient
 from kvdb.prompts.wire import from_params
 
 log = logging.getLogger("kvdb.vllm")
