@@ -13,8 +13,10 @@ exceptions. Messages say what was wrong and what to do about it.
     ├── NotFound             an unknown key, session or path (also a KeyError)
     ├── DbLockedError        the path is open in another process or Db
     ├── ReplicationError     a peer or stream failed
-    ├── AuthError            a peer failed authentication
-    └── NamespaceError       a peer or follower holds another namespace (model, layout, key secret, ...)
+    │   ├── AuthError        a peer failed authentication
+    │   └── NamespaceError   a peer or follower holds another namespace (model, layout, key secret, ...)
+    └── EndpointError        the vLLM connector's local socket refused or failed a peer
+        └── FrameTooLarge    a request over the endpoint's frame limit, refused before it was sent
 """
 
 from __future__ import annotations
@@ -67,3 +69,13 @@ class NamespaceError(ReplicationError):
     """A peer or follower holds blocks of another namespace (model, revision, layout, dtype, key
     algorithm, rank or key secret: kvdb/replication/namespace.py); nothing was sent, fetched or
     applied."""
+
+
+class EndpointError(KvdbError):
+    """A local endpoint (the vLLM connector's socket, kvdb/integrations/vllm/endpoint.py) could
+    not be served or reached: a name already bound, a peer of another user or one that failed
+    the secret's proof."""
+
+
+class FrameTooLarge(EndpointError):
+    """A request over the endpoint's frame limit, refused before anything was sent."""

@@ -17,11 +17,26 @@ removes) and ``kvdb_shared_breaker_open`` (1 while the breaker keeps calls off t
 ``kvdb_replication_events_total{event=...}`` (the node's counters: connections, handshakes by
 outcome, blocks received and served, ...), ``kvdb_replication_connections{state=serving|handshaking}``
 and, on a leader, ``kvdb_replication_follower_lag_records{follower=HOST:PORT}``.
+
+``MetricsServer`` serves a registry over HTTP for ``kvdb replicate serve``, bounded: it binds
+127.0.0.1 unless given another host, serves at most ``max_threads`` requests at once (one more
+is answered 503 by the accept thread, counted ``refused``), gives each ``read_timeout_s`` to send
+its request head of at most 8 KiB (a half-sent one is dropped, ``timeouts``), answers each with
+``Connection: close``, and with a token asks for ``Authorization: Bearer TOKEN`` (Prometheus'
+``authorization.credentials_file``; else 401). Its own counters are
+``kvdb_metrics_requests_total{outcome=...}``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hmac
+import socket
+import threading
+import time
+
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import REGISTRY, CollectorRegistry
 
 _GAUGES = {"pages": "resident pages", "bytes": "resident bytes", "capacity_pages": "page capacity",
@@ -104,3 +119,134 @@ def register(db, registry: CollectorRegistry | None = None, prefix: str = "kvdb"
     collector = DbCollector(db, prefix)
     (registry or REGISTRY).register(collector)
     return collector
+
+
+_HEAD_MAX = 8192
+_OUTCOMES = ("served", "refused", "timeouts", "bad_requests", "unauthorized")
+
+
+def _response(status: str, body: bytes = b"", ctype: str = "text/plain; charset=utf-8", extra: str = "") -> bytes:
+    return (f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\n{extra}"
+            "Connection: close\r\n\r\n").encode() + body
+
+
+class MetricsServer:
+    """``registry`` as Prometheus text at ``http://HOST:PORT/metrics``, bounded (module docstring).
+    Raises ``OSError`` when the address cannot be bound; ``close`` stops it."""
+
+    def __init__(self, registry: CollectorRegistry, host: str = "127.0.0.1", port: int = 0, *,
+                 token: bytes | None = None, max_threads: int = 4, read_timeout_s: float = 5.0) -> None:
+        self.registry = registry
+        self.token = token
+        self.read_timeout_s = float(read_timeout_s)
+        self.counters = dict.fromkeys(_OUTCOMES, 0)
+        self._lock = threading.Lock()
+        self._slots = threading.BoundedSemaphore(max_threads)
+        self._threads: set[threading.Thread] = set()
+        self._closed = False
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self.sock = socket.create_server((host, port), family=family)
+        self.host, self.port = host, self.sock.getsockname()[1]
+        registry.register(_ServerCollector(self))
+        self._thread = threading.Thread(target=self._accept, name="kvdb-metrics", daemon=True)
+        self._thread.start()
+
+    @property
+    def url(self) -> str:
+        shown = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{shown}:{self.port}/metrics"
+
+    def _count(self, outcome: str) -> None:
+        with self._lock:
+            self.counters[outcome] += 1
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            if not self._slots.acquire(blocking=False):
+                self._count("refused")
+                with contextlib.suppress(OSError):
+                    conn.setblocking(False)
+                    conn.send(_response("503 Service Unavailable", b"busy\n"))
+                conn.close()
+                continue
+            t = threading.Thread(target=self._serve, args=(conn,), name="kvdb-metrics-request", daemon=True)
+            with self._lock:
+                self._threads.add(t)
+            t.start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        try:
+            conn.sendall(self._answer(conn))
+        except TimeoutError:
+            self._count("timeouts")
+        except OSError:
+            pass
+        finally:
+            conn.close()
+            with self._lock:
+                self._threads.discard(threading.current_thread())
+            self._slots.release()
+
+    def _answer(self, conn: socket.socket) -> bytes:
+        deadline = time.monotonic() + self.read_timeout_s
+        buf = b""
+        while b"\r\n\r\n" not in buf:
+            if len(buf) > _HEAD_MAX:
+                self._count("bad_requests")
+                return _response("431 Request Header Fields Too Large")
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("request head not received in time")
+            conn.settimeout(left)
+            chunk = conn.recv(4096)
+            if not chunk:
+                raise ConnectionError("peer closed")
+            buf += chunk
+        conn.settimeout(self.read_timeout_s)  # for the answer too
+        lines = buf.split(b"\r\n\r\n", 1)[0].decode("latin-1").split("\r\n")
+        parts = lines[0].split(" ")
+        if len(parts) != 3 or parts[0] != "GET":
+            self._count("bad_requests")
+            return _response("405 Method Not Allowed", extra="Allow: GET\r\n")
+        if self.token is not None:
+            auth = next((v.strip() for k, _, v in (h.partition(":") for h in lines[1:]) if k.strip().lower()
+                         == "authorization"), "")
+            if not hmac.compare_digest(auth.encode("latin-1"), b"Bearer " + self.token):
+                self._count("unauthorized")
+                return _response("401 Unauthorized", extra='WWW-Authenticate: Bearer realm="kvdb"\r\n')
+        if parts[1].split("?", 1)[0] not in ("/", "/metrics"):
+            self._count("bad_requests")
+            return _response("404 Not Found")
+        self._count("served")
+        return _response("200 OK", generate_latest(self.registry), CONTENT_TYPE_LATEST)
+
+    def status(self) -> dict:
+        with self._lock:
+            return {"counters": dict(self.counters), "threads": len(self._threads)}
+
+    def close(self) -> None:
+        self._closed = True
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+        self.sock.close()
+        self._thread.join(5)
+        with self._lock:
+            threads = list(self._threads)
+        for t in threads:
+            t.join(self.read_timeout_s + 1)
+
+
+class _ServerCollector:
+    def __init__(self, server: MetricsServer) -> None:
+        self.server = server
+
+    def collect(self):
+        c = CounterMetricFamily("kvdb_metrics_requests", "requests to this metrics endpoint, by outcome",
+                                labels=["outcome"])
+        for name, n in sorted(self.server.status()["counters"].items()):
+            c.add_metric([name], n)
+        yield c

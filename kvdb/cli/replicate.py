@@ -90,12 +90,19 @@ def _positive_seconds(v: float) -> float:
               callback=lambda ctx, param, v: _positive_seconds(v),
               help="seconds an unauthenticated peer has for the whole handshake")
 @click.option("--metrics-port", type=click.IntRange(0, 65535), default=None,
-              help="serve Prometheus metrics (kvdb/metrics.py: the Db's tiers and this node's counters) "
-                   "at http://HOST:PORT/metrics, HOST the --listen host (0 picks a free port); default: none")
+              help="serve Prometheus metrics (kvdb/metrics.py: the Db's tiers and this node's counters, "
+                   "followers' addresses included) at http://127.0.0.1:PORT/metrics (0 picks a free port); "
+                   "default: none")
+@click.option("--metrics-listen", default=None,
+              help="HOST:PORT for the metrics instead (e.g. 0.0.0.0:9400 for a scraper on another host: then "
+                   "also give --metrics-token-file)")
+@click.option("--metrics-token-file", default=None, type=click.Path(exists=True, dir_okay=False),
+              help="ask scrapes for 'Authorization: Bearer TOKEN', TOKEN this file's contents (Prometheus' "
+                   "authorization.credentials_file)")
 @json_option
 def serve_cmd(db_path, listen, secret_file, transport, node, host_bytes, disk_bytes, encryption_key_file,
               key_secret_file, allow_foreign_keys, layout_json, model_id, replicas, max_connections, max_handshakes,
-              handshake_timeout_s, metrics_port, as_json) -> None:
+              handshake_timeout_s, metrics_port, metrics_listen, metrics_token_file, as_json) -> None:
     """Own the Db at --db and serve pushes, lookups and log streams until SIGTERM / SIGINT;
     with --replica, also ship this node's log to those followers. A follower behind its
     leader's log is re-seeded from a copy (not a node that is itself a leader). A follower
@@ -123,7 +130,7 @@ def serve_cmd(db_path, listen, secret_file, transport, node, host_bytes, disk_by
         return kvdb.open(path, host_bytes=host_bytes, **kw)
 
     _check_listen(listen)  # before anything touches the data directory
-    metrics = _start_metrics(listen, metrics_port)  # likewise: a port in use fails here
+    metrics = _start_metrics(metrics_port, metrics_listen, metrics_token_file)  # likewise: a port in use fails here
     finish_swap(db_path)  # a re-seed interrupted by a crash: roll it forward or drop it
     db = kvdb.open(db_path, layout=_parse_layout(layout_json), model_id=model_id, host_bytes=host_bytes, **kw)
     done = threading.Event()
@@ -160,6 +167,8 @@ def serve_cmd(db_path, listen, secret_file, transport, node, host_bytes, disk_by
         if rep is not None:
             rep.close()
     finally:
+        if metrics is not None:
+            metrics.close()
         db.close()
         if server is not None and server.db is not db:  # re-seeded meanwhile
             server.db.close()
@@ -169,23 +178,39 @@ def serve_cmd(db_path, listen, secret_file, transport, node, host_bytes, disk_by
     os._exit(0)
 
 
-def _start_metrics(listen: str, port: int | None):
-    """The Prometheus endpoint's HTTP server on the --listen host (its registry still empty), or
-    None without --metrics-port."""
-    if port is None:
+def _start_metrics(port: int | None, listen: str | None, token_file: str | None):
+    """The Prometheus endpoint (kvdb/metrics.py ``MetricsServer``, its registry still empty) on
+    127.0.0.1:--metrics-port or on --metrics-listen, or None without either."""
+    if port is None and listen is None:
+        if token_file is not None:
+            raise click.BadParameter("needs --metrics-port or --metrics-listen", param_hint="--metrics-token-file")
         return None
-    from prometheus_client import CollectorRegistry, start_http_server
+    if port is not None and listen is not None:
+        raise click.BadParameter("give --metrics-port (127.0.0.1) or --metrics-listen HOST:PORT, not both",
+                                 param_hint="--metrics-listen")
+    from prometheus_client import CollectorRegistry
 
-    from kvdb.errors import KvdbError
+    from kvdb.errors import InvalidInput, KvdbError
+    from kvdb.metrics import MetricsServer
     from kvdb.replication.channel import parse_addr
 
-    host, _ = parse_addr(listen)
-    registry = CollectorRegistry()
+    host = "127.0.0.1"
+    if listen is not None:
+        try:
+            host, port = parse_addr(listen)
+        except InvalidInput as e:
+            raise click.BadParameter(str(e), param_hint="--metrics-listen") from None
+    token = None
+    if token_file is not None:
+        with open(token_file, "rb") as f:
+            token = f.read().strip()
+        if len(token) < 16 or any(b < 0x21 or b > 0x7E for b in token):
+            raise click.BadParameter(f"{token_file} must hold a token of at least 16 printable characters",
+                                     param_hint="--metrics-token-file")
     try:
-        httpd, _thread = start_http_server(port, addr=host, registry=registry)
+        return MetricsServer(CollectorRegistry(), host, port, token=token)
     except OSError as e:
         raise KvdbError(f"cannot serve metrics on {host}:{port}: {e.strerror or e}") from None
-    return registry, httpd, host
 
 
 def _serve_metrics(metrics, server) -> str:
@@ -195,11 +220,9 @@ def _serve_metrics(metrics, server) -> str:
 
     from kvdb.metrics import NodeCollector, register
 
-    registry, httpd, host = metrics
-    register(types.SimpleNamespace(stats=lambda: server.db.stats()), registry)
-    registry.register(NodeCollector(server))
-    shown = f"[{host}]" if ":" in host else host
-    return f"http://{shown}:{httpd.server_port}/metrics"
+    register(types.SimpleNamespace(stats=lambda: server.db.stats()), metrics.registry)
+    metrics.registry.register(NodeCollector(server))
+    return metrics.url
 
 
 @replicate.command("status")

@@ -55,3 +55,18 @@ def llama():
 def prompt():
     g = torch.Generator().manual_seed(7)
     return torch.randint(0, VOCAB, (1, 150), generator=g)
+
+
+@pytest.fixture
+def served(request, tmp_path):
+    """A Db (the test module's ``LAYOUT``) served on the vLLM connector's socket, as a worker does."""
+    import kvdb
+    from kvdb.integrations.vllm.service import KvdbService
+
+    path = str(tmp_path / "db")
+    db = kvdb.open(path, layout=request.module.LAYOUT, model_id="m", host_bytes=1 << 20, disk_bytes=0)
+    svc = KvdbService(db, path)
+    svc.register()
+    yield svc
+    svc.unregister()
+    db.close()

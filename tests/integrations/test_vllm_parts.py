@@ -7,7 +7,6 @@ so a layout kvdb got wrong shows up here as unequal bytes.
 from __future__ import annotations
 
 import os
-import socket
 import struct
 
 import pytest
@@ -22,7 +21,8 @@ if os.environ.get("KVDB_REQUIRE_VLLM") != "1":
     pytest.importorskip("vllm", reason="vLLM is not installed (make test installs it)")
 
 from kvdb.integrations.vllm.paged import KvMap, PagedLayout, probe_cpu_layout, strided_layout  # noqa: E402
-from kvdb.integrations.vllm.service import MAX_FRAME, KvdbService, ServiceClient, socket_name  # noqa: E402
+from kvdb.integrations.vllm.endpoint import connect  # noqa: E402
+from kvdb.integrations.vllm.service import MAX_FRAME, ServiceClient  # noqa: E402
 from kvdb.integrations.vllm.settings import Settings  # noqa: E402
 
 BT, H, D, NB = 32, 2, 32, 6
@@ -151,17 +151,6 @@ def test_settings_from_extra_config():
 LAYOUT = kvdb.BlockLayout(num_layers=2, num_kv_heads=H, head_dim=D, block_tokens=BT, dtype=torch.float32)
 
 
-@pytest.fixture
-def served(tmp_path):
-    path = str(tmp_path / "db")
-    db = kvdb.open(path, layout=LAYOUT, model_id="m", host_bytes=1 << 20, disk_bytes=0)
-    svc = KvdbService(db, path)
-    svc.register()
-    yield svc
-    svc.unregister()
-    db.close()
-
-
 def test_lookups_and_session_calls_over_the_socket(served):
     hashes = [bytes([i]) * 32 for i in range(4)]
     keys = served.db.engine_keys(hashes[:3], tenant="acme")
@@ -182,9 +171,7 @@ def test_lookups_and_session_calls_over_the_socket(served):
 
 
 def test_an_oversized_frame_closes_only_that_connection(served):
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    s.settimeout(5)
-    s.connect(socket_name(served.path))
+    s = connect(served.path, 5.0)
     s.sendall(struct.pack(">I", MAX_FRAME + 1))
     assert s.recv(1) == b""  # closed without buffering the body
     s.close()

@@ -56,8 +56,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from kvdb.errors import InvalidInput
-from kvdb.integrations.vllm.service import ServiceClient, local_service
+from kvdb.errors import FrameTooLarge, InvalidInput
+from kvdb.integrations.vllm.service import ServiceClient, call_oversized, local_service
 from kvdb.integrations.vllm.settings import Settings
 from kvdb.integrations.vllm.worker import Worker
 
@@ -140,7 +140,10 @@ class KvdbConnector(KVConnectorBase_V1):
         else:
             if self._client is None:
                 self._client = ServiceClient(self.settings.path, self.settings.lookup_timeout_s)
-            resp = self._client.call(_wire(msg))
+            try:
+                resp = self._client.call(_wire(msg))
+            except FrameTooLarge as e:  # kv_transfer_params too large to send: rejected, logged
+                resp = call_oversized(self._client, _wire(msg), e)
         if resp is not None and "error" in resp:
             log.warning("kvdb: %s", resp["error"])
             return None

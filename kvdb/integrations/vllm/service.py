@@ -9,19 +9,27 @@ so the **worker owns the Db** and the scheduler asks it:
         the scheduler finds the worker's ``KvdbService`` in a process-wide registry keyed by the
         data directory's real path and calls it directly
     separate processes (vLLM's default multiprocess executor)
-        the worker serves the same calls on a Unix socket in the abstract namespace, named from
-        the data directory's real path; the scheduler connects to it
+        the worker serves the same calls on a Unix socket in the abstract namespace, named from a
+        secret it writes to the data directory at each start; the scheduler reads the secret and
+        connects (kvdb/integrations/vllm/endpoint.py: the name, the checks both ways, the bounds)
 
 Wire format (both directions): a 4-byte big-endian length, then a UTF-8 JSON object. Requests:
 ``{"op": "lookup", "req": id, "tenant": str, "hashes": [hex, ...], "params": {...} | null,
 "tokens": [int, ...]}`` -> ``{"hit_blocks": n, "hints": [...], "prompt": {...}}``;
 ``{"op": "finished", "req": id, "hashes": [hex, ...]}`` -> ``{"hints": [...], "prompt": {...}}``;
 ``{"op": "explain", "session_id": sid}``; ``{"op": "stats"}``. Errors come back as
-``{"error": "..."}``. Frames over ``MAX_FRAME`` bytes close the connection.
+``{"error": "..."}``. Frames over ``MAX_FRAME`` bytes close the connection; a request the
+scheduler would send over it is refused before sending (``FrameTooLarge``): a lookup goes again
+without its ``kv_transfer_params``, whose hint outcome says rejected (``call_oversized``).
 
 Trust boundary (T1): a connection is served only when the peer process runs as this process's
-user (``SO_PEERCRED``): the same user can read the data directory anyway, anyone else gets
-nothing, not even whether a key is stored. T2: nothing a client sends is evaluated; JSON only.
+user (``SO_PEERCRED``) and proves it holds the secret: the same user can read the data
+directory anyway, anyone else gets nothing, not even whether a key is stored. T2: nothing a
+client sends is evaluated; JSON only, nested at most 64 deep.
+
+Open calls: a lookup's call is kept until its ``finished``; at most ``max_calls``
+(``MAX_OPEN_CALLS``) are, the oldest beyond that ended as if finished (``evicted_calls``), so
+lookups that never finish cannot grow the worker without bound.
 
 Session calls (kvdb/db/core.py engine API) happen here, in the Db's process: a request's
 ``kv_transfer_params`` may carry ``session_id``, ``agent_id``, ``node_id`` and hints (``ttl_s``,
@@ -43,24 +51,19 @@ an error.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import os
-import socket
-import struct
 import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvdb.errors import KvdbError
+from kvdb.errors import FrameTooLarge, KvdbError
+from kvdb.integrations.vllm.endpoint import MAX_FRAME, Server, ServiceClient
 from kvdb.prompts.wire import from_params
-from kvdb.threads import join_all
 
 log = logging.getLogger("kvdb.vllm")
 
-MAX_FRAME = 16 << 20
-_LEN = struct.Struct(">I")
+MAX_OPEN_CALLS = 4096  # calls of requests looked up and not yet finished (vLLM runs at most max_num_seqs)
 # kv_transfer_params keys that name the call rather than hint about it
 CALL_KEYS = ("session_id", "agent_id", "node_id")
 # hints given when the call ends, not when it starts
@@ -76,11 +79,6 @@ _registry_lock = threading.Lock()
 
 def service_key(path: str) -> str:
     return os.path.realpath(path)
-
-
-def socket_name(path: str) -> bytes:
-    """The abstract-namespace socket name of the Db at ``path`` (no file to clean up)."""
-    return b"\0kvdb-vllm-" + hashlib.sha256(service_key(path).encode()).hexdigest()[:40].encode()
 
 
 def local_service(path: str) -> "KvdbService | None":
@@ -99,6 +97,7 @@ class Counters:
     failed_saves: int = 0
     rejected_hints: int = 0
     refused_requests: int = 0
+    evicted_calls: int = 0  # calls ended because more than max_calls were open
     noted_prompts: int = 0
     ignored_prompts: int = 0
     prompt_ignored_reasons: dict = field(default_factory=dict)  # reason (kvdb/prompts/wire.py REASONS) -> count
@@ -133,7 +132,8 @@ class KvdbService:
         self.counters = Counters()
         self._calls: dict[str, _Call] = {}
         self._lock = threading.Lock()
-        self._server: _Server | None = None
+        self._server: Server | None = None
+        self.max_calls = MAX_OPEN_CALLS
         self.worker = None  # the Worker that owns the Db (kvdb/integrations/vllm/worker.py), for introspection
 
     # -------------------------------------------------------------- registration
@@ -141,7 +141,7 @@ class KvdbService:
         with _registry_lock:
             _registry[service_key(self.path)] = self
         if serve_socket:
-            self._server = _Server(self, socket_name(self.path))
+            self._server = Server(self.handle, self.path)
 
     def unregister(self) -> None:
         with _registry_lock:
@@ -173,6 +173,11 @@ class KvdbService:
             call.tenant = tenant
             with self._lock:
                 self._calls[req_id] = call
+                evicted = [self._calls.pop(next(iter(self._calls))) for _ in range(len(self._calls) - self.max_calls)]
+            for old in evicted:  # ended as if finished, its rendered prompt not noted
+                self.counters.evicted_calls += 1
+                old.prompt = None
+                self._end_call(old)
         ctx = self.ctx(req_id)
         keys = self.keys(tenant, hashes) if hashes else []
         n = self.db.match_prefix(keys, ctx=ctx) if keys else 0
@@ -260,6 +265,9 @@ class KvdbService:
             call = self._calls.pop(req_id, None)
         if call is None:
             return {"hints": []}
+        return self._end_call(call, hashes)
+
+    def _end_call(self, call: _Call, hashes=None) -> dict:
         prompt = {} if call.prompt is None else {"prompt": self._note_prompt(call, hashes)}
         if call.session_id is None:
             return {"hints": [], **prompt}
@@ -276,7 +284,10 @@ class KvdbService:
         return self.db.explain(session_id=session_id)
 
     def stats(self) -> dict:
-        return {"connector": self.counters.as_dict(), "db": self.db.stats()}
+        out = {"connector": self.counters.as_dict(), "db": self.db.stats()}
+        if self._server is not None:
+            out["endpoint"] = self._server.status()
+        return out
 
     # -------------------------------------------------------------- the wire
     def call(self, msg: dict) -> dict:
@@ -307,130 +318,19 @@ class KvdbService:
         return self.call(msg)
 
 
-def _send(sock: socket.socket, obj: dict) -> None:
-    data = json.dumps(obj, default=str).encode()
-    sock.sendall(_LEN.pack(len(data)) + data)
-
-
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = sock.recv(n - len(buf))
-        if not chunk:
-            raise ConnectionError("peer closed the connection")
-        buf += chunk
-    return bytes(buf)
-
-
-def _recv(sock: socket.socket) -> dict:
-    (n,) = _LEN.unpack(_recv_exact(sock, _LEN.size))
-    if n > MAX_FRAME:
-        raise ConnectionError(f"frame of {n} bytes is over the {MAX_FRAME}-byte limit")
-    obj = json.loads(_recv_exact(sock, n))
-    if not isinstance(obj, dict):
-        raise ConnectionError("a frame must hold a JSON object")
-    return obj
-
-
-def _peer_uid(conn: socket.socket) -> int:
-    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    return struct.unpack("3i", creds)[1]
-
-
-class _Server:
-    """Accepts the scheduler's connections; one daemon thread per connection (there is one
-    scheduler per engine, so a handful at most)."""
-
-    MAX_CONNECTIONS = 16
-
-    def __init__(self, service: KvdbService, name: bytes) -> None:
-        self.service = service
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.bind(name)
-        self.sock.listen(8)
-        self._conns: set[socket.socket] = set()
-        self._threads: list[threading.Thread] = []  # close() joins them (kvdb/threads.py)
-        self._closed = False
-        self._thread = threading.Thread(target=self._accept, name="kvdb-vllm-lookup", daemon=True)
-        self._thread.start()
-
-    def _accept(self) -> None:
-        while not self._closed:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            if _peer_uid(conn) != os.getuid() or len(self._conns) >= self.MAX_CONNECTIONS:
-                conn.close()  # T1
-                continue
-            self._conns.add(conn)
-            t = threading.Thread(target=self._serve, args=(conn,), name="kvdb-vllm-conn", daemon=True)
-            self._threads = [x for x in self._threads if x.is_alive()] + [t]
-            t.start()
-
-    def _serve(self, conn: socket.socket) -> None:
-        try:
-            while not self._closed:
-                _send(conn, self.service.handle(_recv(conn)))
-        except (OSError, ConnectionError, ValueError):
-            pass
-        finally:
-            self._conns.discard(conn)
-            conn.close()
-
-    def close(self) -> None:
-        self._closed = True
-        try:
-            self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self.sock.close()
-        for c in list(self._conns):
-            try:
-                c.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-        self._thread.join(5)
-        join_all(self._threads, 5)
-
-
-class ServiceClient:
-    """The scheduler's view of a service in another process. A call that cannot reach the worker
-    within ``timeout_s`` returns None (the caller treats it as a miss) and the next call
-    reconnects."""
-
-    def __init__(self, path: str, timeout_s: float) -> None:
-        self.name = socket_name(path)
-        self.timeout_s = timeout_s
-        self._sock: socket.socket | None = None
-        self._lock = threading.Lock()
-        self.failures = 0
-
-    def call(self, msg: dict) -> dict | None:
-        with self._lock:
-            for attempt in range(2):  # a dropped connection is retried once on a fresh one
-                try:
-                    if self._sock is None:
-                        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                        s.settimeout(self.timeout_s)
-                        s.connect(self.name)
-                        self._sock = s
-                    _send(self._sock, msg)
-                    return _recv(self._sock)
-                except (OSError, ConnectionError, ValueError) as e:
-                    self.close_locked()
-                    if attempt == 1:
-                        self.failures += 1
-                        if self.failures in (1, 10, 100) or self.failures % 1000 == 0:
-                            log.warning("kvdb: the worker's Db did not answer (%s); %d lookups missed so far",
-                                        e, self.failures)
-            return None
-
-    def close_locked(self) -> None:
-        if self._sock is not None:
-            self._sock.close()
-            self._sock = None
-
-    def close(self) -> None:
-        with self._lock:
-            self.close_locked()
+def call_oversized(client: ServiceClient, msg: dict, err: FrameTooLarge) -> dict | None:
+    """A request the scheduler cannot send whole (``err``): logged as an error; a lookup goes again
+    without its ``kv_transfer_params`` and tokens (its hits still count) and its hint outcomes say
+    ``kv_transfer_params`` was rejected; anything else is a miss."""
+    log.error("kvdb: request %s (%s): %s; its kv_transfer_params are ignored: keep them (and any rendered "
+              "prompt) under %d MiB", msg.get("req"), msg.get("op"), err, MAX_FRAME >> 20)
+    if msg.get("op") != "lookup":
+        return None
+    outcome = _outcome("kv_transfer_params", "rejected", f"{err}: ignored; the lookup went on without them")
+    try:
+        resp = client.call(dict(msg, params=None, tokens=None))
+    except FrameTooLarge:
+        resp = None
+    if resp is None or "error" in resp:
+        return {"hit_blocks": 0, "hints": [outcome]}
+    return dict(resp, hints=[outcome, *resp.get("hints", [])])
