@@ -106,3 +106,31 @@ def test_a_kill_keeps_group_writes_with_no_background_writer(tmp_path):
     r = run_child(tmp_path, "sigkill", "group", "3600", "0")
     assert r.returncode == -signal.SIGKILL, r.stderr
     check_all(tmp_path)
+
+
+_FAIL_AT_EXIT = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, sys.argv[1])
+    from test_stops import blocks, layout
+    import kvdb
+    from kvdb.errors import StorageIOError
+    db = kvdb.open(sys.argv[2], layout=layout(4), model_id="m", writeback_s=None)
+    db.put_blocks(db.block_keys(list(range(32 * 16))), blocks(4, 32))
+
+    def refuse(*a, **k):  # the fault: the disk refuses the exit-time write-back
+        raise StorageIOError("injected: no space left on device")
+
+    db._cold.put = refuse
+    # no close(): the exit hook's write-back fails
+""")
+
+
+def test_a_failed_exit_write_back_says_so_on_stderr(tmp_path):
+    tests_dir = os.path.dirname(__file__)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"}  # Python's default filters
+    r = subprocess.run([sys.executable, "-c", _FAIL_AT_EXIT, tests_dir, str(tmp_path / "db")], capture_output=True,
+                       text=True, timeout=300, env=env)
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("kvdb: error:")]
+    assert len(lines) == 1, r.stderr
+    assert str(tmp_path / "db") in lines[0] and "32 blocks" in lines[0] and "no space left" in lines[0], lines
+    assert "Traceback" not in r.stderr, r.stderr

@@ -157,6 +157,9 @@ def test_default_multiprocess_mode_gets_the_same_hits(model_dir, tmp_path, runs)
     assert cold["cached"] == 0
     assert warm["cached"] == 1920 and warm["kvdb"]["hit_tokens"] == 1920
     assert warm["tokens"] == cold["tokens"] == runs["first"]["p"][0]["tokens"]
+    # the script ended with the engine running (vLLM stops its worker process): the blocks are on disk
+    after = drive("stored", model_dir, tmp_path / "db")
+    assert after["p_blocks"] >= LOADABLE and after["lock_free"], after
 
 
 def test_rendered_prompts_share_the_prefix_when_canonical_and_break_when_raw(model_dir, tmp_path):
