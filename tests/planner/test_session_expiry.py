@@ -262,3 +262,34 @@ def test_ended_sessions_leave_no_expiry_state_behind(tmp_path):
         db.run_plans()
         assert not db._idle_heap and db.stats()["sessions"] == 0
         assert db.stats()["plans"]["expired_sessions"] == 1
+
+
+@pytest.mark.parametrize("idle_s", [IDLE_S, None])
+def test_sessions_past_the_bound_end_the_one_due_first(tmp_path, monkeypatch, idle_s):
+    # Scenario (S4): a client opens a fresh session with every request and never ends one.
+    # Past MAX_OPEN_SESSIONS the Db ends the session whose deadline comes first -- the least
+    # recently active, unless an agent's tool wait holds it -- counted in evicted_sessions.
+    import kvdb.db.plans.expiry as expiry
+
+    monkeypatch.setattr(expiry, "MAX_OPEN_SESSIONS", 4)
+    clock = Clock()
+    with helpers.open_db(tmp_path, clock, device_pages=6, device="cpu", session_idle_s=idle_s) as db:
+        keys = db.block_keys(list(range(20)), tenant="acme")
+        for i in range(4):
+            clock.t += 1.0
+            db.call_started(f"s{i}", agent_id="a", tenant="acme")
+        clock.t += 1.0
+        db.call_started("s0", agent_id="a", tenant="acme")  # s0 active again: s1 is now the oldest
+        if idle_s is not None:  # s1's agent waits on a tool far past the others' deadlines
+            db.call_finished("s1", agent_id="a", hints={"expected_tool_duration_s": 10 * IDLE_S})
+            gone = ["s2", "s3"]
+        else:
+            gone = ["s1", "s2"]
+        for i in (4, 5):
+            clock.t += 1.0
+            db.call_started(f"s{i}", agent_id="a", tenant="acme")
+        p = db.stats()
+        assert p["sessions"] == 4 and p["plans"]["evicted_sessions"] == 2
+        assert [s for s in ("s0", "s1", "s2", "s3", "s4", "s5") if not is_open(db, s)] == gone
+        db.call_started(gone[0], agent_id="a", tenant="acme", hints={"prefix_hash": keys[0].hex()})  # opens afresh
+        assert is_open(db, gone[0]) and db.stats()["sessions"] == 4

@@ -22,6 +22,16 @@ Idle expiry (``kvdb.open(..., session_idle_s=)``; None: never)
       can drop (a wait ends early, a shorter wait or ttl_s replaces a longer one) -- but only
       through activity, which puts it at least an idle period past the sweep. A long wait
       costs one re-check per idle period. No thread of its own.
+
+The bound on open sessions
+  S4  at most ``MAX_OPEN_SESSIONS`` sessions are open: the one that opens past it ends the open
+      session whose deadline (S1) comes first -- the one expiry would end first -- exactly as
+      S2 ends it, counted in ``evicted_sessions``, so ids nobody ends (a client that sends a
+      fresh ``session_id`` with every request) cost bounded memory. Finding it walks the heap
+      from its top: an entry earlier than its session's deadline goes back at the deadline, so
+      the first entry that is due at its own deadline is the earliest of all (every entry is
+      at or before its deadline, S3). With ``session_idle_s=None`` (no heap) it is the session
+      least recently active, by a scan.
 """
 
 from __future__ import annotations
@@ -29,6 +39,9 @@ from __future__ import annotations
 import heapq
 import itertools
 from typing import Any
+
+#: sessions open at once (S4); the oldest by deadline is ended past it
+MAX_OPEN_SESSIONS = 16384
 
 
 class ExpiryMixin:
@@ -101,3 +114,43 @@ class ExpiryMixin:
                 self._plan_stats["expired_sessions"] += 1
             self._idle_timer = None
             self._arm_idle_timer()
+
+    def _bound_sessions(self, opened: str) -> None:
+        """S4: a session just opened; past the bound, end the one whose deadline comes first
+        (never ``opened`` itself)."""
+        if self.planner.num_sessions <= MAX_OPEN_SESSIONS:
+            return
+        victim = self._first_deadline(opened)
+        if victim is None:
+            return
+        self.planner.expire_session(victim)
+        self._end_session_locked(victim)
+        self._plan_stats["evicted_sessions"] += 1
+
+    def _first_deadline(self, opened: str) -> str | None:
+        heap, live = self._idle_heap, self._idle_entry
+        if self._session_idle_s is None:  # no heap: the least recently active, by a scan
+            sessions = self.planner._sessions
+            others = (sid for sid in sessions if sid != opened)
+            return min(others, key=lambda sid: sessions[sid].last_active_s, default=None)
+        skipped = []
+        try:
+            while heap:
+                check, seq, sid = heap[0]
+                if live.get(sid) != seq:
+                    heapq.heappop(heap)
+                    self._idle_stale -= 1
+                    continue
+                s = self.planner.find_session(sid)
+                if sid == opened or s is None:
+                    skipped.append(heapq.heappop(heap))
+                    continue
+                deadline = self._session_deadline(sid, s)
+                if deadline > check:
+                    heapq.heapreplace(heap, (deadline, seq, sid))
+                    continue
+                return sid
+            return None
+        finally:
+            for e in skipped:
+                heapq.heappush(heap, e)

@@ -32,7 +32,7 @@ from kvdb.planner.sessions import check_now, check_session_args
 STAT_NAMES = ("waits", "replanned_waits", "planned_offloads", "planned_offload_blocks", "planned_disk_offload_blocks",
               "planned_prefetches", "planned_prefetch_blocks", "planned_prefetch_hits", "planned_prefetch_misses",
               "early_calls", "late_prefetches", "cancelled_prefetches", "prefixes_resolved", "prefixes_unknown",
-              "prefix_prefetch_blocks", "expired_sessions")
+              "prefix_prefetch_blocks", "expired_sessions", "evicted_sessions")
 
 
 class PlansMixin(ChainsMixin, WaitsMixin, PrefixesMixin, ExpiryMixin):
@@ -57,6 +57,7 @@ class PlansMixin(ChainsMixin, WaitsMixin, PrefixesMixin, ExpiryMixin):
         with self._lock:
             self.planner.begin_session(session_id, tenant=tenant, workflow=workflow, now_s=now_s)
             self._watch_idle(session_id)
+            self._bound_sessions(session_id)
             return self._hint_locked(session_id, None, dict(hints or {}), now_s) if hints else []
 
     def hint(self, session_id: str, *, agent_id: str | None = None, now_s: float | None = None,
@@ -100,6 +101,7 @@ class PlansMixin(ChainsMixin, WaitsMixin, PrefixesMixin, ExpiryMixin):
                 return ctx, outcomes
             if session_id not in self._idle_entry:  # opened implicitly
                 self._watch_idle(session_id)
+                self._bound_sessions(session_id)
             outcomes = self._apply_prefix_outcomes(session_id, outcomes)
             agents = self._agents.setdefault(session_id, {})
             plan = agents.get(ctx.agent_id)
