@@ -58,7 +58,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvdb.cold import recovery
+from kvdb.cold import recovery, view
 from kvdb.cold.apply import IndexQueue
 from kvdb.cold.checkpoint import Checkpointer
 from kvdb.cold.compact import compact
@@ -142,7 +142,20 @@ class ColdStore:
         crash tests; ``none`` writes then become durable at the next group/sync/checkpoint).
         ``native_commit=True`` fsyncs group commits in the native committer thread (ahead when
         fsync is very fast, behind at 0.2 ms: kvdb/wal/commit.py, docs/durability.md).
-        ``store_id`` (MANIFEST.json's): checked against index and segments (recovery.py step 0)."""
+        ``store_id`` (MANIFEST.json's): checked against index and segments (recovery.py step 0).
+
+        ``read_only``: the view of a live writer's store is taken again while the writer's
+        compaction or GC changed files under it (kvdb/cold/view.py): a missing file or replay
+        damage is believed only from an unchanged store, else ``StoreChangedError``."""
+        kw = {k: v for k, v in locals().items() if k not in ("cls", "path", "layout")}
+        if not read_only:
+            return cls._open(path, layout, **kw)
+        return view.stable(path, lambda: cls._open(path, layout, **kw),
+                           suspect=lambda st: bool(st.recovery.damage), discard=lambda st: st.close())
+
+    @classmethod
+    def _open(cls, path, layout, *, disk_bytes, encryption_key_file, codec, default_durability, fs, segment_bytes,
+              checkpoint_bytes, flush_interval_s, native_commit, max_space_amp, read_only, store_id) -> "ColdStore":
         self = cls()
         self.read_only = read_only
         if read_only:
