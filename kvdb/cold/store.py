@@ -186,7 +186,8 @@ class ColdStore:
         self.debug_on_index_flush = None  # tests: called after each checkpoint's index flush
         self._stats_lock = threading.Lock()
         self._counters = dict.fromkeys(PERSISTED_COUNTERS, 0)
-        self._counters.update(checkpoints=0, read_errors=0, tombstones_carried=0, metadata_carried=0)
+        self._counters.update(checkpoints=0, read_errors=0, tombstones_carried=0, metadata_carried=0,
+                              compaction_space_deferrals=0)
         try:
             self.fs.makedirs(self.wal_dir)
             self.fs.makedirs(self.index_dir)
@@ -510,7 +511,8 @@ class ColdStore:
     max_space_amp = property(lambda self: self.ckpt.max_space_amp)
 
     def compact(self, progress=None, now_ns: int | None = None) -> dict:
-        """Delete TTL-expired blocks, then garbage-collect segments (kvdb/cold/compact.py)."""
+        """Delete TTL-expired blocks, then garbage-collect segments (kvdb/cold/compact.py); segments
+        whose copies would not leave ``SPACE_RESERVE_BYTES`` free on the disk are left for later."""
         self.check_writable()
         return compact(self, progress, now_ns=now_ns)
 
