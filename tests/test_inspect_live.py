@@ -16,6 +16,7 @@ import pytest
 from helpers import SMALL, open_db, run_cli
 
 from kvdb.cold import view
+from kvdb.db.open import lock_is_held
 from kvdb.errors import CorruptionError, DbLockedError, StoreChangedError
 
 TESTS = Path(__file__).parent
@@ -143,8 +144,6 @@ def test_opens_beside_a_lock_checking_loop_all_succeed(tmp_path):
             except DbLockedError:
                 locked += 1
                 continue
-            from kvdb.db.open import lock_is_held
-
             assert lock_is_held(path)  # seen in use while open, also from this process
             db.close()
     finally:

@@ -88,6 +88,15 @@ def _read_back(s, keys) -> bool:
     return all(s.get_into(keys, out)) and np.array_equal(out, pages_for([key(i) for i in range(300)])[::3])
 
 
+def _reads_back_and_reopens(s, disk, live) -> None:
+    """``s`` is healthy, every live block reads back, and so after a reopen on the same disk."""
+    assert not s.failed and _read_back(s, live) and s.verify().problems == []
+    s.close()
+    s = _open(s.path, disk)
+    assert _read_back(s, live)
+    s.close()
+
+
 def test_without_the_room_check_a_full_disk_fails_the_store_and_its_reopen(tmp_path, monkeypatch):
     # the failure the check prevents: the copies take the last free bytes (on a real disk
     # RocksDB then has no room for the files a reopen writes)
@@ -131,12 +140,8 @@ def test_compaction_copies_what_fits_and_leaves_the_rest(tmp_path):
     s, disk, live = _nearly_full(tmp_path, headroom=RESERVE + (16 << 10))  # room for a segment or two
     out = s.compact()
     assert out["segments_deleted"] >= 1 and out["space_deferred_segments"] >= 1
-    assert disk.free_bytes("") > 0 and not s.failed
-    assert _read_back(s, live) and s.verify().problems == []
-    s.close()
-    s = _open(tmp_path / "c", disk)
-    assert _read_back(s, live)
-    s.close()
+    assert disk.free_bytes("") > 0
+    _reads_back_and_reopens(s, disk, live)
 
 
 def test_room_is_looked_at_again_before_each_chunk(tmp_path, monkeypatch):
@@ -157,11 +162,7 @@ def test_room_is_looked_at_again_before_each_chunk(tmp_path, monkeypatch):
     monkeypatch.setattr(compact_mod, "_move_chunk", move_then_fill)
     out = s.compact()
     assert len(moves) == 2 and out["records_copied"] > 0 and out["space_deferred_segments"] >= 1
-    assert not s.failed and _read_back(s, live) and s.verify().problems == []
-    s.close()
-    s = _open(tmp_path / "c", disk)
-    assert _read_back(s, live)
-    s.close()
+    _reads_back_and_reopens(s, disk, live)
 
 
 def test_the_flusher_defers_on_a_full_disk_and_the_store_stays_healthy(tmp_path, monkeypatch):
@@ -174,8 +175,4 @@ def test_the_flusher_defers_on_a_full_disk_and_the_store_stays_healthy(tmp_path,
         s.flush()
     assert s.stats()["compaction_space_deferrals"] >= 1
     s.flush()
-    assert not s.failed and _read_back(s, live)
-    s.close()
-    s = _open(tmp_path / "c", disk)
-    assert _read_back(s, live)
-    s.close()
+    _reads_back_and_reopens(s, disk, live)
