@@ -12,6 +12,7 @@ exceptions. Messages say what was wrong and what to do about it.
     ├── InvalidInput         bad arguments (also a ValueError)
     ├── NotFound             an unknown key, session or path (also a KeyError)
     ├── DbLockedError        the path is open in another process or Db
+    ├── StoreChangedError    a read-only inspection's store changed too fast to inspect; try again
     ├── ReplicationError     a peer or stream failed
     │   ├── AuthError        a peer failed authentication
     │   └── NamespaceError   a peer or follower holds another namespace (model, layout, key secret, ...)
@@ -55,6 +56,12 @@ class NotFound(KvdbError, KeyError):
 
 class DbLockedError(KvdbError):
     """The data directory is already open (in this or another process)."""
+
+
+class StoreChangedError(KvdbError):
+    """A read-only view (``read_only`` open, ``kvdb verify`` / ``stats`` / ``ls`` / ``get`` /
+    ``wal dump``) saw its store's files created or deleted by a live writer during every attempt
+    (kvdb/cold/view.py): no verdict, damage or not. Run it again."""
 
 
 class ReplicationError(KvdbError):

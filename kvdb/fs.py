@@ -11,7 +11,9 @@ tests (docs/style.md "Tests", in the manner of LevelDB's fault-injection Env and
   every file to what a real crash could leave: mode "drop" keeps only synced bytes, mode "tear"
   keeps everything but the second half of the last write;
 * ``fail_at=N, fail_errno=ENOSPC|EIO`` makes point N raise ``OSError`` (the store must turn it
-  into ``StorageIOError`` and a sticky failed state).
+  into ``StorageIOError`` and a sticky failed state);
+* ``free_bytes=N`` (or a callable of the path) is what ``free_bytes`` answers: a disk that
+  is nearly full, for the checks that look before they write (compaction).
 
 Simplifications (documented, relied on by the tests): create, truncate and unlink count as
 durable when they return -- the log fsyncs the directory right after each of them.
@@ -147,6 +149,12 @@ class OsFs:
         finally:
             os.close(fd)
 
+    def free_bytes(self, path: str) -> int:
+        """Bytes an unprivileged writer may still write on the filesystem holding ``path``
+        (``statvfs``: available blocks x fragment size)."""
+        st = os.statvfs(path)
+        return st.f_bavail * st.f_frsize
+
 
 _OS_PREADV = OsFs.preadv  # the plain preadv: anything else (a subclass, a patch, a spy) is a layer
 
@@ -202,8 +210,9 @@ class FaultFs(OsFs):
     """OsFs plus counted I/O points, simulated crashes and injected errors (see module doc)."""
 
     def __init__(self, *, crash_at: int | None = None, fail_at: int | None = None,
-                 fail_errno: int = _errno.EIO, fail_repeats: bool = False) -> None:
+                 fail_errno: int = _errno.EIO, fail_repeats: bool = False, free_bytes=None) -> None:
         self.crash_at = crash_at
+        self.free = free_bytes  # None: the real filesystem's
         self.fail_at = fail_at
         self.fail_errno = fail_errno
         self.fail_repeats = fail_repeats  # every point from fail_at on fails (a dead disk)
@@ -235,6 +244,11 @@ class FaultFs(OsFs):
             size = os.path.getsize(path) if os.path.exists(path) else 0
             self._written[path] = size
             self._synced[path] = size
+
+    def free_bytes(self, path: str) -> int:
+        if self.free is None:
+            return super().free_bytes(path)
+        return self.free(path) if callable(self.free) else self.free
 
     # -- mutating calls
 

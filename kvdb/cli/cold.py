@@ -2,7 +2,8 @@
 
 They open the disk tier of a data directory directly (layout from PATH/MANIFEST.json). ``verify``
 and ``wal dump`` only read (``read_only``: no byte written, no lock taken), so they run beside a
-live Db (their view: the log as of the open) and on a read-only copy; ``compact`` needs the
+live Db (their view: the log as of the open, taken again when the Db's compaction or GC deleted
+files under it: kvdb/cold/view.py) and on a read-only copy; ``compact`` needs the
 directory to itself (a Db holding it makes it fail with a clear error).
 Exit codes: 0 ok, 1 runtime error, 2 usage, 3 corruption found.
 """
@@ -87,21 +88,25 @@ class _Bar:
 @json_option
 def verify_cmd(path: str, encryption_key_file: str | None, as_json: bool) -> None:
     """Check every log record's checksum and every index entry against the log (exit 3 on damage)."""
+    from kvdb.cold.view import stable
     from kvdb.db.open import lock_is_held
     from kvdb.errors import CorruptionError
 
-    live = lock_is_held(path)  # a Db is appending: the last segment's end may be mid-append
-    try:
-        store = open_store(path, encryption_key_file, read_only=True)
-    except CorruptionError as e:
-        report = {"ok": False, "segments": 0, "records": 0, "log_bytes": 0, "entries": 0,
-                  "problems": [f"open: {e}"]}
-    else:
+    def attempt() -> dict:
+        live = lock_is_held(path)  # a Db is appending: the last segment's end may be mid-append
+        try:
+            store = open_store(path, encryption_key_file, read_only=True)
+        except CorruptionError as e:
+            return {"ok": False, "segments": 0, "records": 0, "log_bytes": 0, "entries": 0,
+                    "problems": [f"open: {e}"]}
         try:
             with _Bar("verify", not as_json) as bar:
-                report = store.verify(progress=bar, live_writer=live).to_dict()
+                return store.verify(progress=bar, live_writer=live).to_dict()
         finally:
             store.close()
+
+    # a problem is believed only from a view no compaction or GC of a live writer crossed
+    report = stable(path, attempt, suspect=lambda r: not r["ok"])
     emit(report, as_json, _render_verify)
     if not report["ok"]:
         sys.exit(3)
@@ -141,15 +146,29 @@ def wal() -> None:
 @json_option
 def wal_dump_cmd(path: str, segment_no: int | None, as_json: bool) -> None:
     """Print the log's records (read-only; damaged spans are listed, never decoded)."""
+    from kvdb.cold.view import stable
+    from kvdb.errors import NotFound
+
+    wal_dir = os.path.join(path, "wal")
+    if not os.path.isdir(wal_dir):
+        raise NotFound(f"{path} has no log (no wal/ directory)")
+    # a segment collected by a live writer meanwhile: listed and read again (kvdb/cold/view.py)
+    rows = stable(path, lambda: _dump_rows(wal_dir, segment_no))
+    if as_json:
+        emit(rows, True)
+        return
+    for r in rows:
+        extra = " ".join(f"{k}={v}" for k, v in r.items() if k not in ("segment", "offset", "type"))
+        click.echo(f"{r['segment']:>6} {r['offset']:>12} {r['type']:<10} {extra}")
+
+
+def _dump_rows(wal_dir: str, segment_no: int | None) -> list[dict]:
     from kvdb.errors import NotFound
     from kvdb.format.record import describe, segment_name
     from kvdb.fs import OsFs
     from kvdb.wal.reader import scan_segment
     from kvdb.wal.segments import list_segments
 
-    wal_dir = os.path.join(path, "wal")
-    if not os.path.isdir(wal_dir):
-        raise NotFound(f"{path} has no log (no wal/ directory)")
     segs = list_segments(OsFs(), wal_dir)
     if segment_no is not None:
         if segment_no not in segs:
@@ -165,12 +184,7 @@ def wal_dump_cmd(path: str, segment_no: int | None, as_json: bool) -> None:
         if scan.ending != "clean":
             rows.append({"segment": s, "offset": scan.end, "type": "END", "what": scan.ending})
     rows.sort(key=lambda r: (r["segment"], r["offset"]))
-    if as_json:
-        emit(rows, True)
-        return
-    for r in rows:
-        extra = " ".join(f"{k}={v}" for k, v in r.items() if k not in ("segment", "offset", "type"))
-        click.echo(f"{r['segment']:>6} {r['offset']:>12} {r['type']:<10} {extra}")
+    return rows
 
 
 @click.command("cold")

@@ -5,7 +5,8 @@ taken), like ``sqlite3 -readonly`` or RocksDB's ``ldb`` on a secondary: they run
 copy and beside a Db that another process holds open.
 
 How fresh the view is: the log as it stood when the command opened it (``as_of_lsn``, the
-highest lsn replayed). A live writer's blocks that are only in its memory tiers (host, device)
+highest lsn replayed); opened again when the writer's compaction or GC deleted files under it
+(kvdb/cold/view.py). A live writer's blocks that are only in its memory tiers (host, device)
 are not in the directory and not listed; blocks it put with ``durability="none"`` appear once
 its flusher has written them (within 50 ms by default). Every listed block is on the disk tier:
 the memory tiers of a closed Db were written back at its close.
@@ -20,6 +21,7 @@ import time
 import click
 
 from kvdb.cli.cold import key_file_option, open_store
+from kvdb.cold.view import stable
 from kvdb.cli.output import emit, json_option, writable_file
 
 
@@ -57,6 +59,19 @@ def ls_cmd(path: str, limit: int | None, namespace_id: int | None, encryption_ke
     """List the blocks stored in the data directory at PATH: key, tier, lsn, segment and bytes,
     newest first. Read-only: writes nothing, works on a read-only copy and while a Db has PATH
     open (the view is the log as of this command; the first line says how fresh)."""
+    view, rows, total = stable(path, lambda: _list(path, encryption_key_file, limit, namespace_id))
+    if as_json:
+        emit({**view, "blocks_total": total, "blocks": rows}, True)
+        return
+    click.echo(_freshness(view), err=True)
+    click.echo(f"{'key':<32} {'tier':<5} {'lsn':>10} {'segment':>8} {'offset':>12} {'record_bytes':>12} namespace_id")
+    for r in rows:
+        click.echo(f"{r['key']:<32} {r['tier']:<5} {r['lsn']:>10} {r['segment']:>8} {r['offset']:>12} "
+                   f"{r['record_bytes']:>12} {r['namespace_id']}")
+    click.echo(f"{len(rows)} of {total} blocks shown", err=True)
+
+
+def _list(path: str, encryption_key_file: str | None, limit: int | None, namespace_id: int | None):
     store = open_store(path, encryption_key_file, read_only=True)
     try:
         view = _view(path, store)
@@ -73,18 +88,9 @@ def ls_cmd(path: str, limit: int | None, namespace_id: int | None, encryption_ke
                 rows.append(_row(k, e, store.page_bytes))
         if limit is not None:
             rows = rows[:limit]
-        total = len(keys)
+        return view, rows, len(keys)
     finally:
         store.close()
-    if as_json:
-        emit({**view, "blocks_total": total, "blocks": rows}, True)
-        return
-    click.echo(_freshness(view), err=True)
-    click.echo(f"{'key':<32} {'tier':<5} {'lsn':>10} {'segment':>8} {'offset':>12} {'record_bytes':>12} namespace_id")
-    for r in rows:
-        click.echo(f"{r['key']:<32} {r['tier']:<5} {r['lsn']:>10} {r['segment']:>8} {r['offset']:>12} "
-                   f"{r['record_bytes']:>12} {r['namespace_id']}")
-    click.echo(f"{len(rows)} of {total} blocks shown", err=True)
 
 
 def _parse_key(ctx, param, value: str) -> bytes:
@@ -113,22 +119,8 @@ def get_cmd(path: str, key: bytes, out_path: str | None, hex_bytes: int, encrypt
     """Read one block (KEY: hex, as `kvdb ls` prints it) from the data directory at PATH, checked
     against its checksum: its lsn, size, SHA-256 and first bytes; with -o, its raw page bytes to a
     file. Read-only, like `kvdb ls` (same view). A missing or damaged block exits 1."""
-    import numpy as np
-
-    from kvdb.errors import CorruptionError, NotFound
-
-    store = open_store(path, encryption_key_file, read_only=True)
-    try:
-        view = _view(path, store)
-        (entry,) = store.lookup([key])
-        if entry is None:
-            raise NotFound(f"block {key.hex()} is not in {path} ({_freshness(view)}; run kvdb ls {path})")
-        page = np.zeros((1, store.page_bytes), dtype=np.uint8)
-        if not store.get_into([key], page)[0]:
-            raise CorruptionError(f"block {key.hex()} failed its checksum in segment {entry.segment_no} at offset "
-                                  f"{entry.offset}; run kvdb verify {path}")
-    finally:
-        store.close()
+    # a block moved and its segment collected by a live writer meanwhile: looked up again
+    view, entry, page, store = stable(path, lambda: _read_one(path, key, encryption_key_file))
     data = page[0].tobytes()
     layout = store.layout
     info = {**view, **_row(key, entry, store.page_bytes), "shape": list(layout.block_shape),
@@ -155,6 +147,26 @@ def get_cmd(path: str, key: bytes, out_path: str | None, hex_bytes: int, encrypt
     head = data[:hex_bytes]
     for i in range(0, len(head), 16):
         click.echo(f"{i:08x}  {head[i:i + 16].hex(' ')}")
+
+
+def _read_one(path: str, key: bytes, encryption_key_file: str | None):
+    import numpy as np
+
+    from kvdb.errors import CorruptionError, NotFound
+
+    store = open_store(path, encryption_key_file, read_only=True)
+    try:
+        view = _view(path, store)
+        (entry,) = store.lookup([key])
+        if entry is None:
+            raise NotFound(f"block {key.hex()} is not in {path} ({_freshness(view)}; run kvdb ls {path})")
+        page = np.zeros((1, store.page_bytes), dtype=np.uint8)
+        if not store.get_into([key], page)[0]:
+            raise CorruptionError(f"block {key.hex()} failed its checksum in segment {entry.segment_no} at offset "
+                                  f"{entry.offset}; run kvdb verify {path}")
+        return view, entry, page, store
+    finally:
+        store.close()
 
 
 def register(cli: click.Group) -> None:

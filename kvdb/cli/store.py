@@ -17,14 +17,18 @@ from kvdb.cli.output import emit, json_option
 @json_option
 def stats_cmd(path: str, as_json: bool) -> None:
     """Show per-tier pages, bytes, hits, misses and evictions of the Db at PATH. Read-only: writes
-    nothing, works while an engine has the Db open (its view: the log as of now) and on a
-    read-only copy. It opens no shared tier: the pool's figures are the engine's own
-    (``db.stats()["shared"]``, its Prometheus collector)."""
+    nothing, works while an engine has the Db open (its view: the log as of now, taken again when
+    the engine's compaction deleted files under it) and on a read-only copy. It opens no shared
+    tier: the pool's figures are the engine's own (``db.stats()["shared"]``, its Prometheus
+    collector)."""
+    from kvdb.cold.view import stable
     from kvdb.db import Db
 
-    with Db(path, host_bytes=_one_page(path), read_only=True) as db:
-        s = db.stats()
-    emit(s, as_json, _render_stats)
+    def attempt() -> dict:
+        with Db(path, host_bytes=_one_page(path), read_only=True) as db:
+            return db.stats()
+
+    emit(stable(path, attempt), as_json, _render_stats)  # a live writer's GC meanwhile: look again
 
 
 def _one_page(path: str) -> int:

@@ -5,7 +5,9 @@ applied lsn) and the persisted counters into RocksDB, flushes it and logs a CHEC
 recovery replays the log from there (kvdb/wal/recovery.py). It also deletes the segments that
 hold nothing live any more (segment GC). The flusher thread fsyncs ``none`` writes within
 ``flush_interval_s``, checkpoints every ``checkpoint_bytes`` of log and, once a second, asks
-``maybe_compact`` whether the log has grown past ``max_space_amp`` x the live bytes.
+``maybe_compact`` whether the log has grown past ``max_space_amp`` x the live bytes. A run left
+short of room on the disk (kvdb/cold/compact.py "Room first") is tried again after
+``SPACE_RETRY_S``.
 
 Invariants
     C2  a checkpoint (segment, offset, applied_lsn) is written to RocksDB and flushed only after
@@ -36,6 +38,8 @@ from kvdb.format.record import RecordType, encode_checkpoint
 AUTO_COMPACT_CHECK_S = 1.0
 #: an automatic compaction copies only sealed segments at least this dead
 AUTO_MIN_DEAD_FRACTION = 0.5
+#: after a run that left segments for lack of room (kvdb/cold/compact.py), the next waits this long
+SPACE_RETRY_S = 30.0
 
 
 class Checkpointer:
@@ -51,6 +55,8 @@ class Checkpointer:
         self._flusher: threading.Thread | None = None
         self._auto_floor = 0  # maybe_compact waits until the log grows past this again
         self._auto_checked = 0.0
+        self._space_retry_at = 0.0  # maybe_compact waits until then after a run short of room
+        self.space_warned = False  # a compaction short of room has been logged (compact.py)
 
     # -- checkpoints (C2) and segment GC (C4, C6)
 
@@ -155,18 +161,22 @@ class Checkpointer:
         if amp is None:
             return None
         st = self.store
+        if time.monotonic() < self._space_retry_at:
+            return None  # short of room a moment ago
         sp = st.space()
         seg = st.writer.segment_bytes
         self._auto_floor = min(self._auto_floor, sp["log_bytes"] + seg)  # the log shrank: look again sooner
         if sp["log_bytes"] <= amp * sp["live_bytes"] or sp["reclaimable_bytes"] < seg \
                 or sp["log_bytes"] < self._auto_floor:
             return None
-        st.count(auto_compactions=1)  # before the run's checkpoints, which save the counters
-        out = compact(st, min_dead_fraction=self.dead_fraction(), stop=self.stopping)
+        out = compact(st, min_dead_fraction=self.dead_fraction(), stop=self.stopping, auto=True)
+        if out["space_deferred_segments"]:  # retried later, when there may be room
+            self._space_retry_at, self._auto_floor = time.monotonic() + SPACE_RETRY_S, 0
+            return out
         after = st.space()
         # a run that left the log above the bound waits for growth; one that did not, for nothing
         self._auto_floor = after["log_bytes"] + seg if after["log_bytes"] > amp * after["live_bytes"] else 0
         return out
 
 
-__all__ = ["AUTO_COMPACT_CHECK_S", "AUTO_MIN_DEAD_FRACTION", "Checkpointer"]
+__all__ = ["AUTO_COMPACT_CHECK_S", "AUTO_MIN_DEAD_FRACTION", "SPACE_RETRY_S", "Checkpointer"]

@@ -18,6 +18,16 @@ into silence.
 Work is done in chunks of ``CHUNK_BYTES`` under the writer lock, so foreground writers wait at
 most one chunk.
 
+Room first: compaction writes the copies before it frees the old segments, so it never starts
+what it cannot finish, nor spends the disk's last free space (after which the store would fail
+with no caller write in flight, and a reopen would find no room for RocksDB's files). Before it
+writes anything, and again before each chunk, it compares the free bytes of the log's
+filesystem (``fs.free_bytes``, statvfs) with the bytes it will write -- the live records it
+copies plus ``INDEX_BYTES_PER_BLOCK`` per block -- plus ``SPACE_RESERVE_BYTES``. Segments that
+do not fit are left for later (``space_deferred_segments`` in the counts; the store's
+``compaction_space_deferrals`` counter; one warning on the ``kvdb.cold`` logger until a run fits
+again); below the reserve nothing at all is written, not even the run's first checkpoint.
+
 Tombstones outlive their segments (invariant C6 of kvdb/cold/checkpoint.py, ``carry_forward``)
     Deleting a segment must not change what a replay of the whole surviving log yields (the
     index rebuild: remove PATH/index/, reopen). Dropping a dead PUT never does: a newer record
@@ -46,7 +56,9 @@ Tombstones outlive their segments (invariant C6 of kvdb/cold/checkpoint.py, ``ca
 
 from __future__ import annotations
 
+import logging
 import struct
+import sys
 import time
 
 from kvdb.format import index_value as iv
@@ -64,6 +76,39 @@ from kvdb.wal.reader import SegmentSummary
 CHUNK_BYTES = 64 << 20
 #: keys per carried DELETE record
 CARRY_KEYS = 4096
+#: free bytes a compaction leaves on the log's filesystem beyond what it writes: its
+#: checkpoints (a RocksDB flush, CHECKPOINT records), carried records, a reopen's files
+SPACE_RESERVE_BYTES = 64 << 20
+#: index bytes counted per moved block (its entry in a RocksDB table, with overhead)
+INDEX_BYTES_PER_BLOCK = 128
+
+log = logging.getLogger("kvdb.cold")
+
+
+def room(store) -> int:
+    """Bytes a compaction may write now: the free bytes of the log's filesystem less
+    ``SPACE_RESERVE_BYTES`` (negative: not even the reserve is free). A filesystem that cannot
+    say (statvfs fails) is taken as roomy."""
+    try:
+        free = store.fs.free_bytes(store.wal_dir)
+    except OSError:
+        return sys.maxsize
+    return free - SPACE_RESERVE_BYTES
+
+
+def _need(live_bytes: int, live_blocks: int) -> int:
+    return live_bytes + live_blocks * INDEX_BYTES_PER_BLOCK
+
+
+def _defer(store, out: dict, need: int, have: int) -> None:
+    """Count a run that left segments for lack of room; warn once (until a run fits again)."""
+    store.count(compaction_space_deferrals=1)
+    ck = store.ckpt
+    if not ck.space_warned:
+        ck.space_warned = True
+        log.warning("compaction of %s deferred %d segment(s): it needs %d bytes plus a reserve of %d free on the "
+                    "filesystem, which has %d; it runs when there is room (free some space)", store.path,
+                    out["space_deferred_segments"], need, SPACE_RESERVE_BYTES, max(0, have + SPACE_RESERVE_BYTES))
 
 
 def expire(store, now_ns: int | None = None) -> int:
@@ -84,43 +129,74 @@ def expire(store, now_ns: int | None = None) -> int:
 
 
 def compact(store, progress=None, *, min_dead_fraction: float = 0.0, now_ns: int | None = None,
-            stop=None) -> dict:
+            stop=None, auto: bool = False) -> dict:
     """Compact ``store``; ``progress(done_bytes, total_bytes)`` is called as live bytes move.
     Returns counts: segments_before/after, segments_deleted, records_copied, bytes_copied,
-    bytes_reclaimed, damaged_records. ``stop`` (a threading.Event): once set, no further chunk
-    is moved (what moved is checkpointed as usual). An I/O error fails the store (C5)."""
+    bytes_reclaimed, damaged_records, space_deferred_segments (left for lack of room: module
+    doc). ``stop`` (a threading.Event): once set, no further chunk is moved (what moved is
+    checkpointed as usual). ``auto``: an automatic run, counted in ``auto_compactions`` unless
+    there was no room to start. An I/O error fails the store (C5)."""
     store.check()
     with store.sticky_io("compaction"):
+        with store.ckpt.lock:
+            have = room(store)
+            if have < 0:  # not even the reserve: write nothing, not a checkpoint
+                victims = _victims(store, min_dead_fraction)
+                n = len(store.segments.list())
+                out = {"segments_before": n, "segments_after": n, "segments_deleted": 0, "records_copied": 0,
+                       "bytes_copied": 0, "bytes_reclaimed": 0, "damaged_records": 0, "ttl_expired": 0,
+                       "space_deferred_segments": len(victims)}
+                _defer(store, out, sum(_need(b, k) for _s, b, k in victims), have)
+                return out
+        if auto:
+            store.count(auto_compactions=1)  # before the run's checkpoints, which save the counters
         expired = expire(store, now_ns)
         out = _compact(store, progress, min_dead_fraction, stop)
         out["ttl_expired"] = expired
         return out
 
 
-def _compact(store, progress, min_dead_fraction: float, stop=None) -> dict:
-    out = {"records_copied": 0, "bytes_copied": 0, "damaged_records": 0}
+def _victims(store, min_dead_fraction: float) -> list[tuple[int, int, int]]:
+    """Sealed segments with dead bytes (at least ``min_dead_fraction`` of their records), with
+    their live bytes and blocks."""
     w, segments, live = store.writer, store.segments, store.live
+    segs = segments.list()
+    with w.lock:
+        active = w.segment_no
+        out = []
+        for s in segs:
+            if s >= active:
+                continue
+            try:
+                size = segments.file_bytes(s)
+            except FileNotFoundError:
+                continue
+            dead = size - SEGMENT_HEADER_BYTES - live.segment_bytes(s)
+            if dead > 0 and dead >= min_dead_fraction * (size - SEGMENT_HEADER_BYTES):  # of its records
+                out.append((s, live.segment_bytes(s), live.segment_blocks(s)))
+        return out
+
+
+def _compact(store, progress, min_dead_fraction: float, stop=None) -> dict:
+    out = {"records_copied": 0, "bytes_copied": 0, "damaged_records": 0, "space_deferred_segments": 0}
+    segments, live = store.segments, store.live
     with store.ckpt.lock:
         first = segments.list()
         out["segments_before"] = len(first)
         before_bytes = _log_bytes(segments, first)
         store.ckpt.checkpoint_locked()  # also deletes wholly dead segments
-        segs = segments.list()
-        with w.lock:
-            active = w.segment_no
-            victims = []
-            for s in segs:
-                if s >= active:
-                    continue
-                size = segments.file_bytes(s)
-                dead = size - SEGMENT_HEADER_BYTES - live.segment_bytes(s)
-                if dead > 0 and dead >= min_dead_fraction * (size - SEGMENT_HEADER_BYTES):  # of its records
-                    victims.append(s)
-            total = sum(live.segment_bytes(s) for s in victims)
+        victims, deferred, need, have = [], [], 0, room(store)
+        for s, nbytes, nblocks in _victims(store, min_dead_fraction):  # oldest first, as many as fit
+            if need + _need(nbytes, nblocks) <= have:
+                victims.append(s)
+                need += _need(nbytes, nblocks)
+            else:
+                deferred.append((s, nbytes, nblocks))
+        total = sum(live.segment_bytes(s) for s in victims)
         done = 0
         if progress is not None:
             progress(0, total)
-        for s in victims:
+        for n, s in enumerate(victims):
             blocks = live.blocks_in(s)  # a sealed segment: walked without the writer's lock
             i = 0
             while i < len(blocks) and not (stop is not None and stop.is_set()):
@@ -129,10 +205,22 @@ def _compact(store, progress, min_dead_fraction: float, stop=None) -> dict:
                     chunk.append(blocks[i][0])
                     nbytes += blocks[i][1]
                     i += 1
+                have = room(store)  # something else on the filesystem may have taken room meanwhile
+                if _need(nbytes, len(chunk)) > have:
+                    deferred.extend((x, live.segment_bytes(x), live.segment_blocks(x)) for x in victims[n:])
+                    break
                 moved = _move_chunk(store, s, chunk, out)
                 done += moved
                 if progress is not None:
                     progress(done, total)
+            else:
+                continue
+            break
+        out["space_deferred_segments"] = len(deferred)
+        if deferred:
+            _defer(store, out, sum(_need(b, k) for _s, b, k in deferred), have)
+        elif victims:
+            store.ckpt.space_warned = False  # room again: the next shortage is worth a warning
         store.ckpt.checkpoint_locked()  # deletes every victim now wholly dead
         segs_after = segments.list()
         out["segments_after"] = len(segs_after)

@@ -86,6 +86,11 @@ class LiveSet:
         t = self._seg.get(segment_no)
         return 0 if t is None else t[0]
 
+    def segment_blocks(self, segment_no: int) -> int:
+        """Live blocks in a segment."""
+        t = self._seg.get(segment_no)
+        return 0 if t is None else t[1]
+
     def is_counted(self, segment_no: int) -> bool:
         """The segment holds live blocks: a read that finds it gone is damage."""
         return segment_no in self._seg

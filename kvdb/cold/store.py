@@ -58,7 +58,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvdb.cold import recovery
+from kvdb.cold import recovery, view
 from kvdb.cold.apply import IndexQueue
 from kvdb.cold.checkpoint import Checkpointer
 from kvdb.cold.compact import compact
@@ -142,7 +142,20 @@ class ColdStore:
         crash tests; ``none`` writes then become durable at the next group/sync/checkpoint).
         ``native_commit=True`` fsyncs group commits in the native committer thread (ahead when
         fsync is very fast, behind at 0.2 ms: kvdb/wal/commit.py, docs/durability.md).
-        ``store_id`` (MANIFEST.json's): checked against index and segments (recovery.py step 0)."""
+        ``store_id`` (MANIFEST.json's): checked against index and segments (recovery.py step 0).
+
+        ``read_only``: the view of a live writer's store is taken again while the writer's
+        compaction or GC changed files under it (kvdb/cold/view.py): a missing file or replay
+        damage is believed only from an unchanged store, else ``StoreChangedError``."""
+        kw = {k: v for k, v in locals().items() if k not in ("cls", "path", "layout")}
+        if not read_only:
+            return cls._open(path, layout, **kw)
+        return view.stable(path, lambda: cls._open(path, layout, **kw),
+                           suspect=lambda st: bool(st.recovery.damage), discard=lambda st: st.close())
+
+    @classmethod
+    def _open(cls, path, layout, *, disk_bytes, encryption_key_file, codec, default_durability, fs, segment_bytes,
+              checkpoint_bytes, flush_interval_s, native_commit, max_space_amp, read_only, store_id) -> "ColdStore":
         self = cls()
         self.read_only = read_only
         if read_only:
@@ -173,7 +186,8 @@ class ColdStore:
         self.debug_on_index_flush = None  # tests: called after each checkpoint's index flush
         self._stats_lock = threading.Lock()
         self._counters = dict.fromkeys(PERSISTED_COUNTERS, 0)
-        self._counters.update(checkpoints=0, read_errors=0, tombstones_carried=0, metadata_carried=0)
+        self._counters.update(checkpoints=0, read_errors=0, tombstones_carried=0, metadata_carried=0,
+                              compaction_space_deferrals=0)
         try:
             self.fs.makedirs(self.wal_dir)
             self.fs.makedirs(self.index_dir)
@@ -497,7 +511,8 @@ class ColdStore:
     max_space_amp = property(lambda self: self.ckpt.max_space_amp)
 
     def compact(self, progress=None, now_ns: int | None = None) -> dict:
-        """Delete TTL-expired blocks, then garbage-collect segments (kvdb/cold/compact.py)."""
+        """Delete TTL-expired blocks, then garbage-collect segments (kvdb/cold/compact.py); segments
+        whose copies would not leave ``SPACE_RESERVE_BYTES`` free on the disk are left for later."""
         self.check_writable()
         return compact(self, progress, now_ns=now_ns)
 

@@ -3,7 +3,10 @@
 Data directory
     PATH/LOCK           an exclusive ``flock`` held while a Db has PATH open (any process, any
                         thread); taken without waiting: DbLockedError when someone holds it.
-                        The file itself is empty and stays.
+                        The holder also sets an OFD write lock on the file, which only says
+                        "in use": ``lock_is_held`` asks for it with F_OFD_GETLK and so never
+                        takes a lock itself (a probe that took one, even shared, made a
+                        concurrent open fail). The file itself is empty and stays.
     PATH/KEY_SECRET     32 random bytes (mode 0600) made at the first open when no
                         ``key_secret`` is given: salts tenant namespaces (kvdb/keys.py); sealed
                         under the encryption key when the store has one (kvdb/format/secret.py).
@@ -32,6 +35,7 @@ and the cold tier opens read-only (kvdb/cold/store.py).
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import hmac
@@ -39,6 +43,7 @@ import math
 import os
 import secrets
 import shutil
+import struct
 from pathlib import Path
 from typing import Callable
 
@@ -67,6 +72,24 @@ LOCK_NAME = "LOCK"
 
 # ---------------------------------------------------------------------- the lock
 
+def _ofd(cmd: str, fd: int, ltype: int) -> int | None:
+    """An OFD lock call (``cmd``: "F_OFD_SETLK" or "F_OFD_GETLK") on the whole file: the l_type
+    it answers, None where the platform has no OFD locks."""
+    op = getattr(fcntl, cmd, None)
+    if op is None:
+        return None
+    try:
+        got = fcntl.fcntl(fd, op, _FLOCK.pack(ltype, os.SEEK_SET, 0, 0, 0))
+    except OSError as e:
+        if e.errno in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+            return None
+        raise
+    return _FLOCK.unpack(got)[0]
+
+
+_FLOCK = struct.Struct("@hhqqi4x")  # l_type, l_whence, l_start, l_len, l_pid (0 for OFD locks)
+
+
 def take_lock(path: Path, busy: str | None = None) -> int:
     """Take PATH/LOCK; its fd (release with ``drop_lock``). DbLockedError when held."""
     fd = os.open(path / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
@@ -76,16 +99,25 @@ def take_lock(path: Path, busy: str | None = None) -> int:
         os.close(fd)
         raise DbLockedError(busy or f"{path} is already open (another process or another Db in this one); "
                             "close it first or use a different path") from None
+    try:
+        _ofd("F_OFD_SETLK", fd, fcntl.F_WRLCK)  # the "in use" mark lock_is_held reads
+    except OSError:
+        pass  # only a mark: the flock above is what excludes
     return fd
 
 
 def lock_is_held(path) -> bool:
-    """Whether a Db (any process) has PATH open now; takes nothing and writes nothing."""
+    """Whether a Db (any process) has PATH open now; takes nothing and writes nothing, so it
+    never makes a concurrent ``take_lock`` fail (F_OFD_GETLK; where the platform lacks OFD
+    locks, a non-blocking shared ``flock`` probe)."""
     try:
         fd = os.open(Path(path) / LOCK_NAME, os.O_RDONLY)
     except FileNotFoundError:
         return False
     try:
+        got = _ofd("F_OFD_GETLK", fd, fcntl.F_WRLCK)
+        if got is not None:
+            return got != fcntl.F_UNLCK
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except BlockingIOError:
         return True
@@ -95,6 +127,10 @@ def lock_is_held(path) -> bool:
 
 
 def drop_lock(fd: int) -> None:
+    try:
+        _ofd("F_OFD_SETLK", fd, fcntl.F_UNLCK)  # the mark first: a next holder's mark then sticks
+    except OSError:
+        pass
     fcntl.flock(fd, fcntl.LOCK_UN)
     os.close(fd)
 
