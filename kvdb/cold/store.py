@@ -64,6 +64,7 @@ from kvdb.cold.checkpoint import Checkpointer
 from kvdb.cold.compact import compact
 from kvdb.cold.index import Index
 from kvdb.cold.live import LiveSet
+from kvdb.cold.options import check_durability, metadata_type, check_space_amp
 from kvdb.cold.read import BlockReader
 from kvdb.cold.verify import VerifyReport, verify
 from kvdb.cold.write import LogAppender
@@ -89,30 +90,6 @@ APPLY_BATCH = 512
 #: answered by this tier and answered by no tier (``count_lookups``)
 PERSISTED_COUNTERS = ("hits", "misses", "corruptions", "evictions", "puts", "deletes", "segments_deleted",
                       "lookup_hits", "lookup_misses", "auto_compactions")
-_METADATA_TYPES = {"session": RecordType.SESSION, "ttl": RecordType.TTL, "lease": RecordType.LEASE}
-
-
-def check_space_amp(value) -> float | None:
-    """``max_space_amp`` checked: a finite number > 1, or None (no automatic compaction)."""
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 1.0 < value < float("inf"):
-        raise InvalidInput(f"max_space_amp must be a finite number > 1 or None, got {value!r}")
-    return float(value)
-
-
-def _check_durability(durability: str) -> str:
-    if durability not in DURABILITIES:
-        raise InvalidInput(f"durability must be one of {DURABILITIES}, got {durability!r}")
-    return durability
-
-
-def _metadata_type(kind: str) -> int:
-    rtype = _METADATA_TYPES.get(kind)
-    if rtype is None:
-        raise InvalidInput(f"metadata kind must be session, ttl or lease, got {kind!r}")
-    return rtype
-
 
 class ColdStore:
     """Open with ``ColdStore.open``; see the module doc."""
@@ -162,7 +139,7 @@ class ColdStore:
             fs, flush_interval_s = ReadOnlyFs(), None
         if codec not in CODEC_NAMES:
             raise InvalidInput(f"codec must be one of {sorted(CODEC_NAMES)}, got {codec!r}")
-        _check_durability(default_durability)
+        check_durability(default_durability)
         self.layout = layout
         self.page_bytes = layout.page_bytes
         self.itemsize = layout.itemsize
@@ -353,7 +330,7 @@ class ColdStore:
         are as durable as ``durability`` asks ("none" | "group" | "sync"). ``if_absent``: keys
         already stored are left as they are; returns which keys were written."""
         self.check_writable()
-        durability = _check_durability(durability or self.default_durability)
+        durability = check_durability(durability or self.default_durability)
         keys = self._validate_keys(keys)
         if not isinstance(pages, np.ndarray) or pages.dtype != np.uint8 or pages.ndim != 2 \
                 or pages.shape[1] != self.page_bytes or not pages.flags.c_contiguous:
@@ -382,7 +359,7 @@ class ColdStore:
     def delete(self, keys, durability: str | None = None) -> int:
         """Delete blocks (absent keys are ignored); returns how many were live."""
         self.check_writable()
-        durability = _check_durability(durability or self.default_durability)
+        durability = check_durability(durability or self.default_durability)
         lsn, n = self.appender.append_delete(self._validate_keys(keys))
         if n:
             self._make_durable(lsn, durability)
@@ -392,13 +369,13 @@ class ColdStore:
         """Log a SESSION / TTL / LEASE record (``kind`` "session" | "ttl" | "lease"); an empty
         value removes the entry. The planner gives them meaning; here they are stored durably."""
         self.check_writable()
-        lsn = self.appender.append_metadata(_metadata_type(kind), bytes(name), bytes(value))
+        lsn = self.appender.append_metadata(metadata_type(kind), bytes(name), bytes(value))
         self._make_durable(lsn, durability or self.default_durability)
 
     def find_metadata(self, kind: str, name: bytes) -> bytes | None:
         """The durable value of a metadata entry, None when absent (or not yet fsynced)."""
         self.check()
-        return self.index.get(iv.record_meta_key(_metadata_type(kind), bytes(name)))
+        return self.index.get(iv.record_meta_key(metadata_type(kind), bytes(name)))
 
     def _make_durable(self, lsn: int, durability: str) -> None:
         if durability == "none":
