@@ -22,7 +22,7 @@ import torch
 
 from kvdb import BlockLayout
 from kvdb.replication.netns import private_netns
-from kvdb.shared.localpool import LocalPool as Pool, die_with_parent, pool_unavailable
+from kvdb.shared.localpool import LocalPool as Pool, die_with_parent, pool_unavailable  # noqa: F401
 
 HERE = Path(__file__).resolve().parent
 # 4 layers x 2 x 16 tokens x 8 heads x 128 dims x 2 bytes = 256 KiB pages (an engine's size)
