@@ -26,6 +26,7 @@ COMMAND_MODULES = [
     "kvdb.cli.vllm",
     "kvdb.cli.prompts",
     "kvdb.cli.scale",
+    "kvdb.cli.shared",
 ]
 
 

@@ -8,6 +8,8 @@ Invariants (docs/shared.md; tests cite them):
       ``wait_published`` returns once every offer made before it is published or dropped.
   S3  A block fetched from the pool lands in the host tier (``commit_frames``, durability
       "none": written back to the log on eviction, like any put) and is never re-published.
+      Plain pages land with no copy: the Store writes each payload straight into a reserved
+      host frame (pool invariant P6), the header into a staging slot.
   S5  Every fetched object is checked (kvdb/format/shared_object.py): a bad one is a counted
       corruption and a miss, never bytes.
   S6  Keys are de-duplicated within each batch; kvdb removes without ``force`` only.
@@ -51,12 +53,21 @@ class SharedTier:
         self.payload_bytes = fmt.payload_bytes(self.page_bytes, self.sealed)
         self.obj_bytes = fmt.object_bytes(self.page_bytes, self.sealed)
         slots = max(4 * BATCH, cfg.staging_bytes // self.obj_bytes)  # two batches each way at least
-        # staging: one registered buffer of object rows; the first half for puts, the rest for gets
-        self.staging = np.zeros((slots, self.obj_bytes), dtype=np.uint8)
-        self._stage_t = torch.from_numpy(self.staging)
-        n_put = slots // 2
+        n_put, n_get = slots // 2, slots - slots // 2
+        # staging: one registered buffer, prefaulted. Puts: whole object rows (the page is copied
+        # in, the header written before it). Gets: whole rows for sealed pages (unsealed from
+        # there into a host frame); only the 64-byte header for plain pages, whose payload the
+        # Store writes straight into a reserved host-tier frame (pool invariant P6).
+        self._get_row = self.obj_bytes if self.sealed else fmt.HEADER_BYTES
+        self._mem = _populated(n_put * self.obj_bytes + n_get * self._get_row)
+        self.staging = np.frombuffer(self._mem, dtype=np.uint8)
+        self._put_rows = self.staging[: n_put * self.obj_bytes].reshape(n_put, self.obj_bytes)
+        self._get_rows = self.staging[n_put * self.obj_bytes :].reshape(n_get, self._get_row)
+        self._put_t = torch.from_numpy(self._put_rows)
+        self._arena: torch.Tensor | None = None  # the host arena, registered for plain gets
+        # free slots, reused last-in first-out (the rows used last are the ones in cache)
         self._free_put = deque(range(n_put))
-        self._free_get = deque(range(n_put, slots))
+        self._free_get = deque(range(n_get))
         self._slot_mu = threading.Lock()
         self.client: StoreClient | None = None
         self._ready = False
@@ -93,6 +104,12 @@ class SharedTier:
         if client.register(self.staging.ctypes.data, self.staging.nbytes) != 0:
             client.close()
             return False
+        if not self.sealed:
+            arena = self.db.pool.host_arena()
+            if client.register(arena.data_ptr(), arena.numel()) != 0:
+                client.close()
+                return False
+            self._arena = arena
         self.client = client
         self._ready = True
         return True
@@ -107,16 +124,16 @@ class SharedTier:
     def _take(self, free: deque, n: int) -> list[int]:
         with self._slot_mu:
             k = min(n, len(free))
-            return [free.popleft() for _ in range(k)]
+            return sorted(free.pop() for _ in range(k))
 
     def _give(self, free: deque, slots: list[int]) -> None:
         with self._slot_mu:
             free.extend(slots)
 
     def _on_slots(self, call, keys: list[bytes], slots: list[int], free: deque) -> tuple[str, object]:
-        """``call(names, ptrs, sizes)`` of the objects of ``keys`` in staging ``slots``, under the
-        deadline (S8); the slots go back to ``free`` when a late call finally returns."""
-        base, row = self.staging.ctypes.data, self.obj_bytes
+        """``call(names, ptrs, sizes)`` of the objects of ``keys`` in put staging ``slots``, under
+        the deadline (S8); the slots go back to ``free`` when a late call finally returns."""
+        base, row = self._put_rows.ctypes.data, self.obj_bytes
         names, ptrs = fmt.object_names(self.ns, keys), [base + s * row for s in slots]
         sizes = [row] * len(keys)
         return self.calls.run(lambda: call(names, ptrs, sizes), on_late=lambda: self._give(free, slots))
@@ -139,7 +156,7 @@ class SharedTier:
             self._note_offer_done()
             return
         src = pages[: len(slots)]
-        dst = self._stage_t[:, fmt.HEADER_BYTES : fmt.HEADER_BYTES + self.page_bytes]
+        dst = self._put_t[:, fmt.HEADER_BYTES : fmt.HEADER_BYTES + self.page_bytes]
         if slots == list(range(slots[0], slots[0] + len(slots))):
             dst[slots[0] : slots[0] + len(slots)].copy_(src)
         else:
@@ -189,7 +206,7 @@ class SharedTier:
             self._give(self._free_put, [slots[i] for i in range(len(keys)) if i not in set(keep)])
             keys, slots = [keys[i] for i in keep], [slots[i] for i in keep]
         for k, s in zip(keys, slots):
-            row = self.staging[s]
+            row = self._put_rows[s]
             if self.sealed:
                 page = row[fmt.HEADER_BYTES : fmt.HEADER_BYTES + self.page_bytes]
                 sealed = self.sealer.seal(page, fmt.sealed_aad(self.ns, k))
@@ -256,8 +273,11 @@ class SharedTier:
         return keys
 
     def _fetch(self, keys: list[bytes], prefix: bool) -> int:
-        """Get ``keys`` (each once: S6) into staging, check them (S5), land the good ones (the
-        leading run when ``prefix``) in the host tier; returns how many leading keys landed."""
+        """Get ``keys`` (each once: S6) into reserved host-tier frames, check them (S5), commit
+        the good ones (the leading run when ``prefix``) to the host tier (S3), release the rest;
+        returns how many leading keys landed. A plain page lands with no copy: the Store writes
+        the header into a staging slot and the payload into the frame. A sealed one lands in a
+        staging row and is unsealed into the frame."""
         if self.calls.state != "closed":
             self.calls.run(lambda: None)  # lets a due probe start; refused while open
             return 0
@@ -266,41 +286,71 @@ class SharedTier:
         if not slots:
             return 0
         uniq = uniq[: len(slots)]
-        status, codes = self._on_slots(self.client.get_into, uniq, slots, self._free_get)
+        try:
+            frames = self.db.reserve_frames(len(uniq))
+        except CapacityError:
+            self._give(self._free_get, slots)
+            return 0
+        frame_list = list(frames.frames)
+        db, free = self.db, self._free_get
+
+        def release() -> None:  # a late call's slots and frames, once it has returned
+            self._give(free, slots)
+            db.release_frames(frame_list)
+
+        names = fmt.object_names(self.ns, uniq)
+        base, row = self._get_rows.ctypes.data, self._get_row
+        heads = [base + s * row for s in slots]
+        client = self.client
+        if self.sealed:
+            sizes = [self.obj_bytes] * len(uniq)
+            status, codes = self.calls.run(lambda: client.get_into(names, heads, sizes), on_late=release)
+        else:
+            arena, page = frames.arena, self.page_bytes
+            ptrs = [[h, arena.data_ptr() + f * page] for h, f in zip(heads, frame_list)]
+            sizes = [[fmt.HEADER_BYTES, page]] * len(uniq)
+            status, codes = self.calls.run(lambda: client.get_into_parts(names, ptrs, sizes), on_late=release)
         if status == LATE:
             self.counts["misses"] += len(uniq)
             return 0
+        committed = False
         try:
             if status != OK:
                 self.counts["misses"] += len(uniq)
                 return 0
             self._judge(codes)
-            good: dict[bytes, int] = {}
+            good: dict[bytes, int] = {}  # key -> its index in uniq
             now = self._clock()
-            for k, s, c in zip(uniq, slots, codes):
+            arena_np = frames.arena.numpy()  # the host tier: CPU memory
+            for j, (k, s, c) in enumerate(zip(uniq, slots, codes)):
                 if c == OBJECT_NOT_FOUND:
                     self._absent[k] = now + ABSENT_S
                     continue
                 if c < 0:
                     continue
-                row = self.staging[s]
-                why = fmt.check(row[: fmt.HEADER_BYTES], row[fmt.HEADER_BYTES :], k, self.payload_bytes, self.sealed, c)
-                if why is None and self.sealed:
-                    why = self._unseal(k, row)
+                frame = arena_np[frame_list[j]]
+                if self.sealed:
+                    obj = self._get_rows[s]
+                    why = fmt.check(obj[: fmt.HEADER_BYTES], obj[fmt.HEADER_BYTES :], k, self.payload_bytes, True, c)
+                    if why is None:
+                        why = self._unseal(k, obj, frame)
+                else:
+                    why = fmt.check(self._get_rows[s], frame, k, self.payload_bytes, False, c)
                 if why is not None:
                     self.counts["corruptions"] += 1
                     continue
-                good[k] = s
-            order = []
+                good[k] = j
+            run = []
             for k in keys:
                 if k not in good:
                     if prefix:
                         break
                     continue
-                order.append(k)
-            run = list(dict.fromkeys(order))
+                run.append(k)
+            run = list(dict.fromkeys(run))
             self.counts["misses"] += len(uniq) - len(good)
-            landed = self._land(run, [good[k] for k in run])
+            committed = True
+            landed = self._land(run, [frame_list[good[k]] for k in run], frame_list)
             if prefix:
                 n = 0
                 for k in keys:
@@ -311,30 +361,29 @@ class SharedTier:
             return len(landed)
         finally:
             self._give(self._free_get, slots)
+            if not committed:
+                db.release_frames(frame_list)
 
-    def _unseal(self, key: bytes, row: np.ndarray) -> str | None:
+    def _unseal(self, key: bytes, obj: np.ndarray, frame: np.ndarray) -> str | None:
         from kvdb.errors import CorruptionError
 
-        body = row[fmt.HEADER_BYTES : fmt.HEADER_BYTES + self.payload_bytes]
+        body = obj[fmt.HEADER_BYTES : fmt.HEADER_BYTES + self.payload_bytes]
         try:
             page = self.sealer.open(body, fmt.sealed_aad(self.ns, key))
         except CorruptionError as e:
             return str(e)
-        row[fmt.HEADER_BYTES : fmt.HEADER_BYTES + self.page_bytes] = np.frombuffer(page, dtype=np.uint8)
+        frame[: self.page_bytes] = np.frombuffer(page, dtype=np.uint8)
         return None
 
-    def _land(self, keys: list[bytes], slots: list[int]) -> set[bytes]:
-        """Commit checked pages into the Db's host tier (S3); the keys that landed."""
+    def _land(self, keys: list[bytes], use: list[int], reserved: list[int]) -> set[bytes]:
+        """Commit the checked frames ``use`` (one per key) into the Db's host tier (S3, durability
+        "none"), release the other ``reserved`` frames; the keys that landed."""
         if not keys:
+            self.db.release_frames(reserved)
             return set()
-        db = self.db
-        try:
-            frames = db.reserve_frames(len(keys))
-        except CapacityError:
-            return set()
-        pages = self._stage_t[:, fmt.HEADER_BYTES : fmt.HEADER_BYTES + self.page_bytes]
-        frames.arena.index_copy_(0, torch.as_tensor(list(frames.frames)), pages[torch.as_tensor(slots)])
-        db.commit_frames(keys, frames, durability="none")
+        keep = set(use)
+        self.db.release_frames([f for f in reserved if f not in keep])
+        self.db.commit_frames(keys, use, durability="none")
         self.counts["hits"] += len(keys)
         self.counts["get_bytes"] += len(keys) * self.obj_bytes
         return set(keys)
@@ -374,3 +423,19 @@ class SharedTier:
         client, self.client = self.client, None
         if client is not None and self.calls.state == "closed":  # a dead pool's close would stall
             client.close()
+
+
+def _populated(nbytes: int):
+    """Anonymous memory of ``nbytes`` (huge pages where the kernel gives them on request), every
+    page faulted in now: staging is touched once at attach, never for the first time under a
+    pool call (a first touch under a transfer halved its speed)."""
+    import mmap
+
+    mem = mmap.mmap(-1, max(nbytes, mmap.PAGESIZE), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            mem.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:
+            pass
+    np.frombuffer(mem, dtype=np.uint8)[:: mmap.PAGESIZE] = 0
+    return mem

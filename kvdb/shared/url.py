@@ -5,7 +5,7 @@ Options: ``protocol`` (``tcp``, the default, or ``rdma``), ``device`` (RDMA devi
 default 127.0.0.1 for a master on loopback, else this host's name), ``deadline_ms`` (kvdb's own
 limit on every pool call, default 500), ``workers`` (threads that make pool calls, default 4),
 ``staging`` (memory for objects on their way to or from the pool, default 64MiB, and
-at least two batches of 32 objects each way). Anything else
+at least two batches of 32 objects each way; plain pages fetched need only their headers there). Anything else
 is InvalidInput naming it, before anything is opened.
 """
 

@@ -1,5 +1,7 @@
-"""A Mooncake Store storage process for the shared-tier tests: lends SEGMENT bytes to the pool of
-the master at 127.0.0.1:PORT, prints "ready" and sleeps until killed (it dies with its parent)."""
+"""A Mooncake Store storage process (kvdb/shared/localpool.py): lends SEGMENT bytes to the pool of
+the master at 127.0.0.1:PORT, prints "ready" and sleeps until killed (it dies with its parent).
+
+Run as a script (``python storage_node.py PORT SEGMENT``), so it imports nothing of kvdb."""
 
 import ctypes
 import os
@@ -8,7 +10,7 @@ import sys
 import time
 
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
-ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: never outlive the test process
+ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: never outlive the process that started it
 
 from mooncake.store import MooncakeDistributedStore  # noqa: E402
 

@@ -1,0 +1,157 @@
+"""``kvdb bench shared``: the shared tier (kvdb/shared/, docs/shared.md) against the Mooncake
+Store's own batched calls on the same bytes, in one run (issue 43, item 6).
+
+The run starts its own pool (kvdb/shared/localpool.py: a ``mooncake_master`` and one storage
+process on 127.0.0.1, inside a private network namespace; refused where none can be made) and
+two Dbs with the shared tier (pure clients, no disk tier: ``flush`` then waits for publication
+only, and the disk tier's own speed is ``kvdb bench scale``'s). Pages are 2 MiB. Figures:
+
+* ``put_mbps``        ``put_blocks`` of ``pages`` new blocks + ``flush()`` (which returns once
+                      they are published to the pool), on the first Db;
+* ``store_put_mbps``  the baseline: one ``batch_put_from`` of the same bytes from a registered
+                      buffer (the Store's best case: no copy, no check);
+* ``get_mbps``        on the second Db, which never saw the blocks: ``match_prefix`` (the lookup
+                      miss fetches them from the pool, checks and lands them in its host tier)
+                      + ``get_blocks`` into a preallocated ``out``;
+* ``store_get_mbps``  the baseline: one ``batch_get_into`` of the same objects into a
+                      registered buffer.
+
+MB/s count the pages' bytes (1 MB = 1e6 bytes). Every round stores new blocks; each round runs
+both sides of each figure, the side that goes first alternating, after one untimed warm-up
+round (connections, first-touched memory). Figures are medians over ``repeats`` rounds, each
+with its runs and their spread (min, max); ``*_vs_store`` is the ratio of the medians (goal
+>= 0.8) and ``*_vs_store_runs`` the per-round ratios.
+"""
+
+from __future__ import annotations
+
+import shutil
+import statistics
+import tempfile
+import time
+
+import numpy as np
+import torch
+
+from kvdb import BlockLayout
+
+# 8 layers x 2 x 64 tokens x 8 heads x 128 dims x 2 bytes = 2 MiB pages
+PAGE2M = BlockLayout(num_layers=8, num_kv_heads=8, head_dim=128, block_tokens=64, dtype=torch.bfloat16)
+GOAL = 0.8
+_SECRET = b"kvdb-bench-shared-key-secret-32b"
+
+
+def _mbps(nbytes: int, runs: list[float]) -> list[float]:
+    return [round(nbytes / s / 1e6, 1) for s in runs]
+
+
+def _figure(res: dict, name: str, nbytes: int, mine: list[float], base: list[float]) -> None:
+    m, b = _mbps(nbytes, mine), _mbps(nbytes, base)
+    res[f"{name}_mbps"] = round(statistics.median(m), 1)
+    res[f"{name}_mbps_runs"] = m
+    res[f"{name}_mbps_spread"] = [min(m), max(m)]
+    res[f"store_{name}_mbps"] = round(statistics.median(b), 1)
+    res[f"store_{name}_mbps_runs"] = b
+    res[f"store_{name}_mbps_spread"] = [min(b), max(b)]
+    res[f"{name}_vs_store"] = round(res[f"{name}_mbps"] / res[f"store_{name}_mbps"], 3)
+    res[f"{name}_vs_store_runs"] = [round(x / y, 3) for x, y in zip(m, b)]
+    res[f"{name}_goal"] = GOAL
+    res[f"{name}_meets_goal"] = res[f"{name}_vs_store"] >= GOAL
+
+
+def bench_shared(*, pages: int = 32, repeats: int = 4, dir_path: str | None = None, progress=None) -> dict:
+    """Every figure (see the module's docstring); ``progress(done, total)`` after each round."""
+    from kvdb.shared.localpool import LocalPool, isolated
+
+    with isolated():
+        obj = PAGE2M.page_bytes + 64
+        rounds = repeats + 1
+        # every round's objects twice (the Db's and the baseline's), with room to spare
+        with LocalPool([int(2 * pages * rounds * obj * 1.25) + (64 << 20)]) as pool:
+            return _run(pool, pages, repeats, dir_path, progress)
+
+
+def _run(pool, n: int, repeats: int, dir_path, progress) -> dict:
+    import kvdb
+
+    lay = PAGE2M
+    page = lay.page_bytes
+    root = tempfile.mkdtemp(prefix="kvdb-bench-shared-", dir=dir_path)
+    staging = f"{max(64, 4 * n * (page + 64) >> 20)}MiB"  # two batches each way at least (docs/shared.md)
+    url = f"{pool.url}?staging={staging}&deadline_ms=5000"
+
+    def open_db(name: str):
+        return kvdb.open(f"{root}/{name}", layout=lay, model_id="bench-shared", key_secret=_SECRET, shared=url,
+                         host_bytes=2 * n * page, disk_bytes=0)
+
+    raw = pool.raw_client()
+    src = np.empty((n, page), dtype=np.uint8)  # the baseline's registered buffers, touched first
+    dst = np.empty((n, page), dtype=np.uint8)
+    src.fill(1)
+    dst.fill(1)
+    assert raw.register_buffer(src.ctypes.data, src.nbytes) == 0
+    assert raw.register_buffer(dst.ctypes.data, dst.nbytes) == 0
+    out = torch.empty((n, *lay.block_shape), dtype=lay.dtype)
+    out.view(torch.uint8).fill_(1)
+    put_s, get_s, store_put_s, store_get_s = [], [], [], []
+    g = torch.Generator().manual_seed(0)
+    try:
+        with open_db("put") as a, open_db("get") as b:
+            for r in range(repeats + 1):  # round 0: the untimed warm-up
+                blocks = torch.randint(-(1 << 15), 1 << 15, (n, *lay.block_shape), dtype=torch.int16,
+                                       generator=g).view(lay.dtype)
+                tokens = torch.randint(0, 50000, (n * lay.block_tokens,), generator=g).tolist()
+                keys = a.block_keys(tokens)
+                names = [f"bench/raw/{r}/{i}" for i in range(n)]
+                ptrs_src = [src.ctypes.data + i * page for i in range(n)]
+                ptrs_dst = [dst.ctypes.data + i * page for i in range(n)]
+                sizes = [page] * n
+                src[:] = blocks.view(torch.uint8).reshape(n, page).numpy()
+                times = {}
+                order = ("kvdb", "store") if r % 2 == 0 else ("store", "kvdb")
+                for side in order:  # puts
+                    t0 = time.perf_counter()
+                    if side == "kvdb":
+                        a.put_blocks(keys, blocks)
+                        a.flush()
+                    else:
+                        codes = raw.batch_put_from(names, ptrs_src, sizes)
+                    times["put_" + side] = time.perf_counter() - t0
+                    if side == "store" and any(c != 0 for c in codes):
+                        raise RuntimeError(f"batch_put_from: {codes}")
+                st = a.stats()["shared"]
+                if st["dropped_puts"]:
+                    raise RuntimeError(f"the Db dropped {st['dropped_puts']} puts: {st}")
+                for side in order:  # gets
+                    t0 = time.perf_counter()
+                    if side == "kvdb":
+                        found = b.match_prefix(keys)
+                        b.get_blocks(keys[:found], out)
+                    else:
+                        codes = raw.batch_get_into(names, ptrs_dst, sizes)
+                    times["get_" + side] = time.perf_counter() - t0
+                    if side == "store" and any(c != page for c in codes):
+                        raise RuntimeError(f"batch_get_into: {codes}")
+                if found != n:
+                    raise RuntimeError(f"the second Db found {found} of {n} blocks in the pool: {b.stats()['shared']}")
+                if not torch.equal(out.view(torch.uint8), blocks.view(torch.uint8)) or not np.array_equal(dst, src):
+                    raise RuntimeError("a read returned other bytes than were put")
+                if r:
+                    put_s.append(times["put_kvdb"])
+                    store_put_s.append(times["put_store"])
+                    get_s.append(times["get_kvdb"])
+                    store_get_s.append(times["get_store"])
+                if progress is not None:
+                    progress(r + 1, repeats + 1)
+            shared_put, shared_get = a.stats()["shared"], b.stats()["shared"]
+    finally:
+        raw.unregister_buffer(src.ctypes.data)
+        raw.unregister_buffer(dst.ctypes.data)
+        raw.close()
+        shutil.rmtree(root, ignore_errors=True)
+    res: dict = {"pages": n, "page_bytes": page, "repeats": repeats}
+    _figure(res, "put", n * page, put_s, store_put_s)
+    _figure(res, "get", n * page, get_s, store_get_s)
+    res["corruptions"] = shared_get["corruptions"]
+    res["dropped_puts"] = shared_put["dropped_puts"]
+    return res
