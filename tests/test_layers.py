@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent / "kvdb"
 # import units on lower floors only (and itself). Keep in step with docs/architecture.md.
 FLOORS: list[set[str]] = [
     {"errors", "types", "threads", "_native", "compiled"},  # 0: leaves
-    {"native", "sizes"},                               # 1: the C core's bindings, sizes
+    {"native", "sizes", "netns"},                      # 1: the C core's bindings, sizes, network namespaces
     {"fs"},                                            # 2: the file layer (native batched appends)
     {"format"},                                        # 3: bytes on disk and on the wire
     {"keys", "wal", "buffer_pool"},                    # 4: key spaces, the log, page frames

@@ -3,7 +3,7 @@ Transfer Engine's own batch write measured in the same run, to the same peer pro
 
 Set-up: two ``kvdb replicate serve`` peer processes (one memory-only, one with a disk tier, in a
 temporary directory) and this process, all inside a private network namespace
-(kvdb/replication/netns.py)
+(kvdb/netns.py)
 because the engine listens on 0.0.0.0. Like any cluster, every node is given the same key secret
 file (docs/replication.md, "One key namespace per cluster"): the disk peer refuses the log of a
 leader of another key secret. Figures (GB/s = 1e9 bytes/s, median of ``repeats``
@@ -41,7 +41,7 @@ import torch
 import kvdb
 from kvdb.errors import ReplicationError
 from kvdb.format.layout import BlockLayout
-from kvdb.replication.netns import netns_unavailable, private_netns
+from kvdb.netns import netns_unavailable, private_netns
 from kvdb.replication.peer import DEFAULT_CHUNK_BYTES, DEFAULT_WINDOW, Peer
 from kvdb.replication.replicator import Replicator
 from kvdb.replication.transport import transport_kind

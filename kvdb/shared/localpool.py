@@ -4,7 +4,7 @@
 
 The Store's listeners (the master's metrics server, every client's transfer engine) bind
 0.0.0.0 whatever they are told, so a pool is only ever started inside a private network
-namespace with only loopback up (``isolated()``, kvdb/replication/netns.py): nothing it opens is
+namespace with only loopback up (``isolated()``, kvdb/netns.py): nothing it opens is
 reachable from another machine. Where no namespace can be made (no CAP_SYS_ADMIN), ``isolated``
 raises saying so instead of exposing the pool. Processes die with their parent
 (``PR_SET_PDEATHSIG``). Nothing of Mooncake is imported until a pool is started.
@@ -45,7 +45,7 @@ def master_binary() -> str | None:
 
 def pool_unavailable() -> str | None:
     """None when a private pool can be started here, else why not (skip and error messages)."""
-    from kvdb.replication.netns import netns_unavailable
+    from kvdb.netns import netns_unavailable
     from kvdb.shared.client import mooncake_store_error
 
     why = mooncake_store_error()
@@ -63,7 +63,7 @@ def pool_unavailable() -> str | None:
 def isolated():
     """Run the body (the calling thread and what it starts) in a private network namespace with
     only loopback up; InvalidInput naming why when none can be made."""
-    from kvdb.replication.netns import private_netns
+    from kvdb.netns import private_netns
 
     why = pool_unavailable()
     if why is not None:

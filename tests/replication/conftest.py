@@ -22,7 +22,7 @@ import torch
 
 from kvdb import BlockLayout
 from kvdb.bench.replication import die_with_parent
-from kvdb.replication.netns import netns_unavailable, private_netns
+from kvdb.netns import netns_unavailable, private_netns
 from kvdb.replication.transport import mooncake_import_error
 
 SECRET = b"0123456789abcdef-test-cluster-secret"

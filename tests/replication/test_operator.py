@@ -92,7 +92,7 @@ _REPLICATE = textwrap.dedent("""
     import torch
     import kvdb
     from kvdb.replication import NodeServer, Peer
-    from kvdb.replication.netns import private_netns
+    from kvdb.netns import private_netns
     from replication.conftest import LAYOUT, SECRET, make_blocks, make_keys
 
     with private_netns():

@@ -2,7 +2,7 @@
 processes, kvdb/shared/localpool.py) in a private network namespace, stopped by pid.
 
 The Store's listeners bind 0.0.0.0, so every pool runs inside a fresh network namespace with
-only loopback up (kvdb/replication/netns.py), entered by the test's thread: the master, the
+only loopback up (kvdb/netns.py), entered by the test's thread: the master, the
 storage processes, child engines and the in-process client share it. Without the Mooncake
 wheel (or without namespaces) the tests skip saying why, except under KVDB_REQUIRE_VLLM=1 (CI),
 where they fail.
@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from kvdb import BlockLayout
-from kvdb.replication.netns import private_netns
+from kvdb.netns import private_netns
 from kvdb.shared.localpool import LocalPool as Pool, die_with_parent, pool_unavailable  # noqa: F401
 
 HERE = Path(__file__).resolve().parent

@@ -21,7 +21,7 @@ import socket
 import struct
 from contextlib import contextmanager
 
-from kvdb.errors import ReplicationError
+from kvdb.errors import KvdbError
 
 CLONE_NEWNET = 0x40000000
 _SIOCGIFFLAGS = 0x8913
@@ -53,7 +53,7 @@ def netns_unavailable() -> str | None:
     try:
         with private_netns():
             pass
-    except ReplicationError as e:
+    except KvdbError as e:
         return str(e)
     return None
 
@@ -64,11 +64,11 @@ def private_netns():
     try:
         home = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
     except OSError as e:
-        raise ReplicationError(f"cannot open this thread's network namespace: {e}") from None
+        raise KvdbError(f"cannot open this thread's network namespace: {e}") from None
     try:
         if _c().unshare(CLONE_NEWNET) != 0:
             err = ctypes.get_errno()
-            raise ReplicationError(f"unshare(CLONE_NEWNET) failed: {os.strerror(err)} "
+            raise KvdbError(f"unshare(CLONE_NEWNET) failed: {os.strerror(err)} "
                                    "(needs CAP_SYS_ADMIN: run as root or in a privileged container)")
         try:
             _bring_lo_up()
@@ -76,6 +76,6 @@ def private_netns():
         finally:
             if _c().setns(home, CLONE_NEWNET) != 0:
                 err = ctypes.get_errno()
-                raise ReplicationError(f"setns back to the original network namespace failed: {os.strerror(err)}")
+                raise KvdbError(f"setns back to the original network namespace failed: {os.strerror(err)}")
     finally:
         os.close(home)
