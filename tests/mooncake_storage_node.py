@@ -1,5 +1,5 @@
-"""A Mooncake Store storage process for the shared-tier tests: lends SEGMENT bytes to the pool of
-the master at 127.0.0.1:PORT, prints "ready" and sleeps until killed (it dies with its parent)."""
+"""A Mooncake Store storage process for tests/mooncake_pool.py: lends SEGMENT bytes to the pool
+of the master at 127.0.0.1:PORT, prints "ready" and sleeps until killed (it dies with its parent)."""
 
 import ctypes
 import os
