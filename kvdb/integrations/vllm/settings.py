@@ -86,6 +86,8 @@ class Settings:
             if shared is None:
                 raise InvalidInput("kv_connector_extra_config 'shared_bytes' needs 'shared': 'mooncake://HOST:PORT'")
             lend = parse_shared(shared, lend).lend_bytes
+        else:
+            lend = 0
         return cls(
             path=path,
             host_bytes=parse_size(extra.get("host_bytes", 4 << 30), "kv_connector_extra_config 'host_bytes'"),
