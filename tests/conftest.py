@@ -25,3 +25,44 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+# ---------------------------------------------------------------- a real Mooncake Store pool
+# (kvdb/shared/localpool.py; used by tests/shared/ and tests/integrations/test_vllm_shared.py)
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def shared_netns():
+    """One private network namespace for every pool of the session, entered by the test thread:
+    the Store client keeps process-wide connections and threads, made in the namespace they were
+    first needed in, so each pool gets its own ports instead of its own namespace."""
+    from helpers import need_pool
+    from kvdb.netns import private_netns
+
+    need_pool()
+    with private_netns():
+        yield
+
+
+@pytest.fixture
+def pool_factory(shared_netns):
+    """``make(storage_bytes=[...], lease_ms=...)``: a fresh pool (master and storage processes)
+    for this test, stopped by pid after it."""
+    from contextlib import ExitStack
+
+    from kvdb.shared.localpool import LocalPool as Pool
+
+    with ExitStack() as stack:
+        def make(storage_bytes=(64 << 20,), **kw) -> Pool:
+            p = Pool(list(storage_bytes), **kw)
+            stack.callback(p.stop)
+            return p
+
+        yield make
+
+
+@pytest.fixture
+def pool(pool_factory):
+    return pool_factory()

@@ -146,3 +146,19 @@ def load_tool(name: str):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+def need_pool() -> None:
+    """Skip saying why no private Mooncake pool can run here (kvdb/shared/localpool.py); under
+    KVDB_REQUIRE_VLLM=1 (CI), fail instead."""
+    import os
+
+    import pytest
+
+    from kvdb.shared.localpool import pool_unavailable
+
+    why = pool_unavailable()
+    if why is not None:
+        if os.environ.get("KVDB_REQUIRE_VLLM") == "1":
+            pytest.fail(f"KVDB_REQUIRE_VLLM=1 but {why}")
+        pytest.skip(why)

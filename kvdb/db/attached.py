@@ -16,10 +16,10 @@ object with ``attach_replication``. The Db then
 
 The shared tier (kvdb/shared/, ``kvdb.open(..., shared=)``) attaches with ``attach_shared``;
 the Db then offers it the blocks each ``put_blocks`` stored new (``offer``), waits for their
-publication in ``flush`` (``wait_published``), asks it before replication for a lookup's
-missing leading keys (``fetch_prefix``) and, before a read, for keys on no local tier
-(``fetch_any``), tells it of deletes (``remove``), shows ``stats()["shared"]`` and closes it
-first in ``close`` (docs/shared.md).
+publication in ``flush`` and ``Db.wait_published`` (``wait_published``), asks it before
+replication for a lookup's missing leading keys (``fetch_prefix``) and, before a read, for keys
+on no local tier (``fetch_any``), tells it of deletes (``remove``), shows ``stats()["shared"]``
+and closes it first in ``close`` (docs/shared.md).
 """
 
 from __future__ import annotations
@@ -62,6 +62,17 @@ class AttachedMixin:
             sel = pages[rows[0] : rows[0] + len(rows)] if rows == list(range(rows[0], rows[0] + len(rows))) \
                 else pages[rows]
             self._shared.offer([keys[i] for i in rows], sel)
+
+    def wait_published(self, timeout_s: float | None = None) -> bool:
+        """Wait until every block put so far is published to the shared tier or dropped (counted),
+        without ``flush``'s write-back to disk: a prefill engine calls it before handing a request
+        over through the pool. True at once without a shared tier; False when ``timeout_s`` ran out."""
+        self._check()
+        if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float))
+                                      or not 0 <= timeout_s < math.inf):
+            raise InvalidInput(f"timeout_s must be None or a finite number of seconds >= 0, got {timeout_s!r:.40}")
+        shared = self._shared
+        return True if shared is None else shared.wait_published(timeout_s)
 
     def _fill_from_shared(self, keys: list) -> None:
         """Before a read: fetch the keys held on no local tier from the shared tier."""

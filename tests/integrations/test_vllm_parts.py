@@ -143,9 +143,23 @@ def test_settings_from_extra_config():
                          ({"path": "kv", "durability": "fast"}, "durability"),
                          ({"path": "kv", "host_bytes": "lots"}, "host_bytes"),
                          ({"path": "kv", "lookup_timeout_s": 0}, "lookup_timeout_s"),
-                         ({"path": "kv", "model_id": 3}, "model_id")):
+                         ({"path": "kv", "model_id": 3}, "model_id"),
+                         ({"path": "kv", "shared_bytes": "1GiB"}, "needs 'shared'"),
+                         ({"path": "kv", "shared": "redis://h:1"}, "mooncake://"),
+                         ({"path": "kv", "shared": "mooncake://h:1", "shared_bytes": "lots"}, "shared_bytes"),
+                         ({"path": "kv", "shared": ""}, "shared"),
+                         ({"path": "kv", "key_secret_file": 7}, "key_secret_file")):
         with pytest.raises(InvalidInput, match=match):
             Settings.from_extra(extra)
+
+
+def test_shared_pool_settings():
+    s = Settings.from_extra({"path": "kv", "shared": "mooncake://10.0.0.5:50051?deadline_ms=200",
+                             "shared_bytes": "1GiB", "key_secret_file": "cluster.keysecret"})
+    assert (s.shared, s.shared_bytes, s.key_secret_file) == ("mooncake://10.0.0.5:50051?deadline_ms=200", 1 << 30,
+                                                             "cluster.keysecret")
+    plain = Settings.from_extra({"path": "kv"})
+    assert (plain.shared, plain.shared_bytes, plain.key_secret_file) == (None, 0, None)
 
 
 LAYOUT = kvdb.BlockLayout(num_layers=2, num_kv_heads=H, head_dim=D, block_tokens=BT, dtype=torch.float32)

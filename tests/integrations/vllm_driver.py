@@ -1,6 +1,6 @@
 """Runs one vLLM scenario in its own process and writes what it saw as JSON (tests/integrations/test_vllm.py).
 
-    python vllm_driver.py SCENARIO MODEL_DIR DB_PATH OUT.json
+    python vllm_driver.py SCENARIO MODEL_DIR DB_PATH OUT.json [ARGS...]
 
 A vLLM engine holds threads, a KV cache and (in the default mode) child processes for the rest
 of its process's life, so each scenario is a fresh interpreter. Scenarios:
@@ -15,6 +15,9 @@ of its process's life, so each scenario is a fresh interpreter. Scenarios:
              segments in kv_transfer_params["prompt"]
     stored   no engine: how many of P's blocks the Db at the path holds (read-only), and whether
              a writer can open it (nobody holds its lock)
+    pool     (extra arguments URL ROLE MODE KEY_FILE NAMES) one engine on a shared Mooncake pool,
+             kv_role ROLE, MODE "uni" (one process) or "mp" (vLLM's default): the prompts NAMES
+             ("P,P2") once each in order, then the worker's counters and Db stats
 
 No scenario closes the Db: the process ends with vLLM's engine and the Db open, as a user's
 script does, and the Db's exit hook writes back what is in memory (tests/test_stops.py).
@@ -37,16 +40,16 @@ def prompt(seed: int, n: int = 2048) -> list[int]:
     return torch.randint(3, 1000, (n,), generator=g).tolist()
 
 
-P, P2 = prompt(7), prompt(8)
+P, P2, P3 = prompt(7), prompt(8), prompt(9)
 
 
-def make_llm(model: str, path: str, *, single: bool):
+def make_llm(model: str, path: str, *, single: bool, role: str = "kv_both", **extra):
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
     ktc = KVTransferConfig(kv_connector="KvdbConnector", kv_connector_module_path="kvdb.integrations.vllm",
-                           kv_role="kv_both", kv_load_failure_policy="recompute",
-                           kv_connector_extra_config={"path": path, "host_bytes": "256MiB"})
+                           kv_role=role, kv_load_failure_policy="recompute",
+                           kv_connector_extra_config={"path": path, "host_bytes": "256MiB", **extra})
     return LLM(model=model, enforce_eager=True, dtype="float32", max_model_len=4096, enable_prefix_caching=True,
                kv_transfer_config=ktc, gpu_memory_utilization=0.5, kv_cache_memory_bytes=256 << 20, seed=0,
                distributed_executor_backend="uni" if single else None)
@@ -132,6 +135,17 @@ def mp(model: str, path: str) -> dict:
     return {"p": [run(llm, P), run(llm, P)]}
 
 
+def pool(model: str, path: str, url: str, role: str, mode: str, key_file: str, names: str) -> dict:
+    """One engine on a shared Mooncake pool (``url``) with its own data directory: each prompt of
+    ``names`` ("P,P2") once, in order; then the worker's counters and Db stats over its socket."""
+    from kvdb.integrations.vllm.service import ServiceClient
+
+    llm = make_llm(model, path, single=mode == "uni", role=role, shared=url, key_secret_file=key_file)
+    res = {name: run(llm, globals()[name]) for name in names.split(",")}
+    res["stats"] = ServiceClient(path, 30.0).call({"op": "stats"})
+    return res
+
+
 TOOLS = [{"name": f"tool_{i}", "description": f"looks up record kind {i} in the inventory and returns it. " * 4,
           "parameters": {"type": "object", "properties": {"id": {"type": "integer"}, "note": {"type": "string"}},
                          "required": ["id"]}} for i in range(4)]
@@ -170,8 +184,9 @@ def prompts(model: str, path: str) -> dict:
 
 if __name__ == "__main__":
     scenario, model, path, out = sys.argv[1:5]
-    if scenario != "mp":
+    if scenario != "mp" and not (scenario == "pool" and sys.argv[7] == "mp"):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    result = {"first": first, "restart": restart, "mp": mp, "prompts": prompts, "stored": stored}[scenario](model, path)
+    scenarios = {"first": first, "restart": restart, "mp": mp, "prompts": prompts, "stored": stored, "pool": pool}
+    result = scenarios[scenario](model, path, *sys.argv[5:])
     with open(out, "w") as f:
         json.dump(result, f, default=str)

@@ -11,59 +11,22 @@ where they fail.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
-from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
 import torch
 
 from kvdb import BlockLayout
-from kvdb.netns import private_netns
-from kvdb.shared.localpool import LocalPool as Pool, die_with_parent, pool_unavailable  # noqa: F401
+from kvdb.shared.localpool import LocalPool as Pool, die_with_parent  # noqa: F401
 
 HERE = Path(__file__).resolve().parent
 # 4 layers x 2 x 16 tokens x 8 heads x 128 dims x 2 bytes = 256 KiB pages (an engine's size)
 LAYOUT = BlockLayout(num_layers=4, num_kv_heads=8, head_dim=128, block_tokens=16, dtype=torch.bfloat16)
 
-_WHY = pool_unavailable()
-
-
-def need_pool() -> None:
-    if _WHY is not None:
-        if os.environ.get("KVDB_REQUIRE_VLLM") == "1":
-            pytest.fail(f"KVDB_REQUIRE_VLLM=1 but {_WHY}")
-        pytest.skip(_WHY)
-
-
-@pytest.fixture(scope="session")
-def shared_netns():
-    """One private namespace for every pool of the session: the Store client keeps process-wide
-    connections and threads, made in the namespace they were first needed in, so each pool gets
-    its own ports instead of its own namespace."""
-    need_pool()
-    with private_netns():
-        yield
-
-
-@pytest.fixture
-def pool_factory(shared_netns):
-    """``make(storage_bytes=[...])``: a fresh pool (master and storage processes) for this test,
-    stopped by pid after it."""
-    with ExitStack() as stack:
-        def make(storage_bytes=(64 << 20,), **kw) -> Pool:
-            p = Pool(list(storage_bytes), **kw)
-            stack.callback(p.stop)
-            return p
-
-        yield make
-
-
-@pytest.fixture
-def pool(pool_factory):
-    return pool_factory()
+# the pool fixtures (shared_netns, pool_factory, pool) are tests/conftest.py's
+from helpers import need_pool  # noqa: E402,F401
 
 
 def make_blocks(n: int, seed: int) -> torch.Tensor:

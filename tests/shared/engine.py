@@ -9,6 +9,7 @@ import json
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/: helpers
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402

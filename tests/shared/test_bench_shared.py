@@ -8,7 +8,9 @@ import os
 import subprocess
 import sys
 
-from conftest import die_with_parent, need_pool
+from helpers import need_pool
+
+from kvdb.shared.localpool import die_with_parent
 
 KEYS = ["pages", "page_bytes", "repeats", "corruptions", "dropped_puts"] + [
     f"{pre}{name}{suf}" for name in ("put", "get")

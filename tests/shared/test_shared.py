@@ -58,6 +58,16 @@ def test_two_engines_share_blocks_bit_exact(pool, tmp_path):
         assert db.match_prefix(keys) == 24 and db.stats()["shared"]["calls_calls"] == calls  # local now
 
 
+def test_wait_published_hands_over_without_a_flush(pool, tmp_path):
+    """S2: ``wait_published`` returns once the puts are in the pool; another engine finds them."""
+    with open_db(tmp_path / "prefill", pool.url) as a, open_db(tmp_path / "decode", pool.url) as b:
+        keys = a.block_keys(tokens(8, 11))
+        a.put_blocks(keys, make_blocks(8, 11))
+        assert a.wait_published(timeout_s=10) is True
+        assert a.stats()["shared"]["puts"] == 8
+        assert b.match_prefix(keys) == 8 and b.stats()["shared"]["hits"] == 8
+
+
 def test_blocks_offered_twice_move_no_bytes(pool, tmp_path):
     blocks = make_blocks(8, 3)
     with open_db(tmp_path / "a", pool.url) as a:

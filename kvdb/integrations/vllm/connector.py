@@ -36,6 +36,11 @@ Invariants
     I4  Loads and saves are synchronous within the step (``start_load_kv`` returns with the
         blocks in place; ``wait_for_save`` with them handed to the Db), so vLLM may free or
         reuse a request's blocks as soon as it finishes.
+    I5  ``kv_role`` is vLLM's: ``kv_both`` loads and saves; ``kv_producer`` (a prefill engine)
+        saves and never loads (its lookups ask for no block; sessions and hints still run), and
+        with a shared pool its saves are published before the step ends, so a request it
+        returns can be continued by a ``kv_consumer`` (a decode engine) that loads from the
+        pool and never saves (docs/vllm.md "Sharing blocks through a pool").
 """
 
 from __future__ import annotations
@@ -124,6 +129,8 @@ class KvdbConnector(KVConnectorBase_V1):
         if self._kv_transfer_config.kv_load_failure_policy != "recompute":
             log.warning("kvdb: kv_load_failure_policy=%r; with 'recompute' a block that fails its checksum is "
                         "recomputed instead of failing the request", self._kv_transfer_config.kv_load_failure_policy)
+        ktc = self._kv_transfer_config  # I5: kv_producer saves only, kv_consumer loads only, kv_both both
+        self.loads, self.saves = bool(ktc.is_kv_consumer), bool(ktc.is_kv_producer)
         self._reqs: dict[str, _ReqState] = {}
         self._client: ServiceClient | None = None
         self.worker: Worker | None = None
@@ -159,8 +166,8 @@ class KvdbConnector(KVConnectorBase_V1):
         bt = self.block_size
         usable = min(len(request.block_hashes), (request.num_tokens - 1) // bt)  # I1
         params = getattr(request, "kv_transfer_params", None)
-        msg = {"op": "lookup", "req": request.request_id, "tenant": st.tenant,
-               "hashes": list(request.block_hashes[:usable]), "params": params}
+        msg = {"op": "lookup", "req": request.request_id, "tenant": st.tenant,  # a producer looks up nothing (I5)
+               "hashes": list(request.block_hashes[:usable]) if self.loads else [], "params": params}
         if first and isinstance(params, dict) and "prompt" in params:  # a rendered prompt: its tokens go along once
             ids = getattr(request, "prompt_token_ids", None)
             msg["tokens"] = list(ids) if ids is not None else None
@@ -216,7 +223,7 @@ class KvdbConnector(KVConnectorBase_V1):
             meta.loads.append(BlockMove(req_id, st.tenant, list(hashes[first:first + n]),
                                         st.block_ids[first:first + n], first))
         full = min(len(hashes), done_tokens // self.block_size, len(st.block_ids))  # I2
-        if full > st.saved:
+        if full > st.saved and self.saves:  # a consumer saves nothing (I5)
             meta.saves.append(BlockMove(req_id, st.tenant, list(hashes[st.saved:full]),
                                         st.block_ids[st.saved:full], st.saved))
             st.saved = full

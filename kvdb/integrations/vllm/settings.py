@@ -15,6 +15,13 @@
 | ``codec`` | ``"raw"`` | ``raw`` or ``zstd`` on disk |
 | ``session_idle_s`` | ``3600`` | a session idle this long is ended (``None``: never) |
 | ``lookup_timeout_s`` | ``2.0`` | scheduler -> worker lookup deadline in vLLM's multi-process mode; past it a lookup is a miss |
+| ``shared`` | ``None`` | ``"mooncake://HOST:PORT"``: a Mooncake Store pool shared with other engines (docs/shared.md) |
+| ``shared_bytes`` | ``0`` | memory this engine lends the pool (int or size string; 0: a pure client) |
+| ``key_secret_file`` | ``None`` | the key secret shared by every engine of a pool (else each directory's own ``KEY_SECRET``) |
+
+``kv_role`` (vLLM's own setting) decides the direction: ``kv_both`` loads and saves,
+``kv_producer`` (a prefill engine) saves and never loads, ``kv_consumer`` (a decode engine)
+loads and never saves.
 
 Unknown keys are refused (a typo must not silently fall back to a default).
 """
@@ -42,6 +49,9 @@ class Settings:
     codec: str = "raw"
     session_idle_s: float | None = 3600.0
     lookup_timeout_s: float = 2.0
+    shared: str | None = None
+    shared_bytes: int = 0
+    key_secret_file: str | None = None
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> "Settings":
@@ -55,7 +65,7 @@ class Settings:
         durability = extra.get("durability", "none")
         if durability not in DURABILITIES:
             raise InvalidInput(f"kv_connector_extra_config 'durability' must be one of {DURABILITIES}, got {durability!r}")
-        for name in ("model_id", "encryption_key_file"):
+        for name in ("model_id", "encryption_key_file", "shared", "key_secret_file"):
             v = extra.get(name)
             if v is not None and (not isinstance(v, str) or not v):
                 raise InvalidInput(f"kv_connector_extra_config {name!r} must be a non-empty string, got {v!r}")
@@ -69,6 +79,15 @@ class Settings:
                 continue
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
                 raise InvalidInput(f"kv_connector_extra_config {name!r} must be a positive number of seconds, got {v!r}")
+        shared, lend = extra.get("shared"), extra.get("shared_bytes", 0)
+        if shared is not None or lend not in (0, "0"):
+            from kvdb.shared.url import parse_shared  # the URL alone: nothing Mooncake is imported
+
+            if shared is None:
+                raise InvalidInput("kv_connector_extra_config 'shared_bytes' needs 'shared': 'mooncake://HOST:PORT'")
+            lend = parse_shared(shared, lend).lend_bytes
+        else:
+            lend = 0
         return cls(
             path=path,
             host_bytes=parse_size(extra.get("host_bytes", 4 << 30), "kv_connector_extra_config 'host_bytes'"),
@@ -80,6 +99,9 @@ class Settings:
             codec=extra.get("codec", "raw"),
             session_idle_s=None if idle is None else float(idle),
             lookup_timeout_s=float(timeout),
+            shared=shared,
+            shared_bytes=lend,
+            key_secret_file=extra.get("key_secret_file"),
         )
 
 

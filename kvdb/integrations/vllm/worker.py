@@ -30,6 +30,7 @@ import torch
 
 import kvdb
 from kvdb import BlockLayout
+from kvdb.db.open import read_key_secret_file
 from kvdb.errors import InvalidInput, KvdbError
 from kvdb.integrations.vllm.paged import PagedLayout, probe_cpu_layout, strided_layout
 from kvdb.integrations.vllm.service import KvdbService
@@ -37,6 +38,9 @@ from kvdb.integrations.vllm.settings import Settings
 
 log = logging.getLogger("kvdb.vllm")
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")
+#: a producer's step waits at most this long for its saves to reach the pool (each pool call
+#: has its own deadline, docs/shared.md S8; past it the blocks stay local and the consumer misses)
+HANDOVER_WAIT_S = 5.0
 
 
 def layout_from_spec(vllm_config, kv_cache_config) -> tuple[BlockLayout, list[str]]:
@@ -74,10 +78,16 @@ class Worker:
         self.vllm_config = vllm_config
         self.layout, self.layer_names = layout_from_spec(vllm_config, kv_cache_config)
         self.settings = settings
+        ktc = getattr(vllm_config, "kv_transfer_config", None)
+        # a prefill engine (kv_producer) hands its requests over through the pool: its saves are
+        # published before the step ends (docs/vllm.md "Sharing blocks through a pool")
+        self.handover = getattr(ktc, "kv_role", None) == "kv_producer"
+        key_secret = read_key_secret_file(settings.key_secret_file) if settings.key_secret_file else None
         self.db = kvdb.open(settings.path, layout=self.layout, model_id=settings.model_id or model_id_of(vllm_config),
                             host_bytes=settings.host_bytes, disk_bytes=settings.disk_bytes,
                             durability=settings.durability, replacer=settings.replacer, codec=settings.codec,
-                            encryption_key_file=settings.encryption_key_file, session_idle_s=settings.session_idle_s)
+                            encryption_key_file=settings.encryption_key_file, session_idle_s=settings.session_idle_s,
+                            key_secret=key_secret, shared=settings.shared, shared_bytes=settings.shared_bytes)
         try:
             self.service = KvdbService(self.db, settings.path)
             self.service.worker = self
@@ -182,6 +192,7 @@ class Worker:
     def save(self, moves) -> None:
         """Every move's blocks out of the paged cache into the Db (skipping stored keys)."""
         self._registered()
+        stored = 0
         for m in moves:
             n = len(m.hashes)
             if n == 0:
@@ -194,9 +205,16 @@ class Worker:
                 self.service.counters.saved_blocks += saved
                 if saved:  # on disk soon, not at the background writer's next round: vLLM's
                     self.db.flush(wait=False)  # default shutdown kills this process (docs/vllm.md)
+                    stored += saved
             except KvdbError as e:  # a save that cannot be made is a future miss, never a failed step
                 self.service.counters.failed_saves += 1
                 log.warning("kvdb: request %s: %d blocks not saved: %s", m.req_id, n, e)
+        if stored and self.handover:  # a prefill engine's blocks are in the pool before vLLM hands the request on
+            try:
+                if not self.db.wait_published(HANDOVER_WAIT_S):
+                    log.warning("kvdb: %d blocks not yet in the shared pool after %.0f s", stored, HANDOVER_WAIT_S)
+            except KvdbError as e:
+                log.warning("kvdb: %d blocks may not reach the shared pool: %s", stored, e)
 
     def take_load_errors(self) -> set[int]:
         out, self._load_errors = self._load_errors, set()
