@@ -15,6 +15,8 @@
 | ``codec`` | ``"raw"`` | ``raw`` or ``zstd`` on disk |
 | ``session_idle_s`` | ``3600`` | a session idle this long is ended (``None``: never) |
 | ``lookup_timeout_s`` | ``2.0`` | scheduler -> worker lookup deadline in vLLM's multi-process mode; past it a lookup is a miss |
+| ``pool_demote`` | ``True`` | a waiting agent's blocks go first in vLLM's own pool (kvdb/integrations/vllm/pool.py) |
+| ``pool_pin_blocks`` | ``0`` | at most this many blocks of named shared prefixes pinned in vLLM's pool (0: none) |
 
 Unknown keys are refused (a typo must not silently fall back to a default).
 """
@@ -42,6 +44,8 @@ class Settings:
     codec: str = "raw"
     session_idle_s: float | None = 3600.0
     lookup_timeout_s: float = 2.0
+    pool_demote: bool = True
+    pool_pin_blocks: int = 0
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> "Settings":
@@ -69,6 +73,11 @@ class Settings:
                 continue
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
                 raise InvalidInput(f"kv_connector_extra_config {name!r} must be a positive number of seconds, got {v!r}")
+        demote, pins = extra.get("pool_demote", True), extra.get("pool_pin_blocks", 0)
+        if not isinstance(demote, bool):
+            raise InvalidInput(f"kv_connector_extra_config 'pool_demote' must be true or false, got {demote!r}")
+        if isinstance(pins, bool) or not isinstance(pins, int) or pins < 0:
+            raise InvalidInput(f"kv_connector_extra_config 'pool_pin_blocks' must be an integer >= 0, got {pins!r}")
         return cls(
             path=path,
             host_bytes=parse_size(extra.get("host_bytes", 4 << 30), "kv_connector_extra_config 'host_bytes'"),
@@ -80,6 +89,8 @@ class Settings:
             codec=extra.get("codec", "raw"),
             session_idle_s=None if idle is None else float(idle),
             lookup_timeout_s=float(timeout),
+            pool_demote=demote,
+            pool_pin_blocks=pins,
         )
 
 
