@@ -214,3 +214,20 @@ def test_a_prefix_hash_names_blocks_by_vllms_hash_or_kvdbs_key(served):
     got = served.call({"op": "lookup", "req": "none", "tenant": "default", "hashes": hashes,
                        "params": {"session_id": "x", "prefix_hash": "ab" * 32}})
     assert "prefix_blocks" not in got
+
+
+# ------------------------------------------------------------------ through a real engine
+@pytest.mark.slow
+def test_a_real_engine_demotes_a_waiting_agents_blocks(tmp_path):
+    """One process (the tiny Llama): another session's call, then a 2048-token call that ends with
+    a 30 s tool-wait hint; the next request's lookup runs the queued demote: the agent's 16
+    blocks lead vLLM's cached blocks, ahead of the older session's (LRU alone: behind them)."""
+    from kvdb.bench.tiny_llama import build_tiny_llama
+
+    from .test_vllm import drive
+
+    got = drive("pool", build_tiny_llama(tmp_path / "model"), tmp_path / "db")
+    st = got["pool"]
+    assert st["demote_ops"] == 1 and st["demoted_blocks"] == 16 and st["queued_ops"] == 0
+    assert got["agent_cached"] == 16 and got["leading_cached_of_agent"] == 16
+    assert got["cached"] > 16  # the other request's blocks are behind them
