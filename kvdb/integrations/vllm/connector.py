@@ -269,7 +269,8 @@ class KvdbConnector(KVConnectorBase_V1):
         outcomes = (st.hint_outcomes if st is not None else []) + list(resp.get("hints") or [])
         if st is None:
             return False, None
-        answer = {"hit_tokens": st.hit_blocks * self.block_size, "hints": outcomes}
+        supplied = max(0, st.hit_blocks - st.local_blocks)  # blocks vLLM's own cache had are not kvdb's
+        answer = {"hit_tokens": supplied * self.block_size, "hints": outcomes}
         if st.prompt is not None:
             answer["prompt"] = {**st.prompt, **(resp.get("prompt") or {})}
         return False, {"kvdb": answer}
