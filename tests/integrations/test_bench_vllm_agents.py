@@ -25,9 +25,9 @@ def test_the_quick_bench_reports_every_configuration(tmp_path):
         for k in ("ttft_mean_s", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "total_s", "prompt_tokens",
                   "vllm_cache_tokens", "kvdb_tokens"):
             assert k in c, (name, k)
-        if name.startswith("kvdb"):
+        if name.startswith("kvdb") and name != "kvdb_lru":  # kvdb_lru: no pool ops
             assert set(c["pool"]) >= {"demoted_blocks", "pinned_blocks", "stale_blocks"}, name
             assert c["connector"]["saved_blocks"] > 0 or name.endswith("_restart"), name
     assert res["outputs_identical"] is True
     assert res["workload"]["sessions"] == 1 and set(res["ratios"]) >= {"hints_vs_apc_equal_ttft", "hints_vs_lru_ttft"}
-    assert res["configs"]["kvdb_lru"]["pool"]["demoted_blocks"] == 0  # no hints, no pool ops
+    assert res["configs"]["kvdb_lru"]["pool"] is None  # no hints, no pool ops

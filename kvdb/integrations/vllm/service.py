@@ -16,7 +16,10 @@ so the **worker owns the Db** and the scheduler asks it:
 Wire format (both directions): a 4-byte big-endian length, then a UTF-8 JSON object. Requests:
 ``{"op": "lookup", "req": id, "tenant": str, "hashes": [hex, ...], "params": {...} | null,
 "tokens": [int, ...]}`` -> ``{"hit_blocks": n, "hints": [...], "prompt": {...}}``;
-``{"op": "finished", "req": id, "hashes": [hex, ...]}`` -> ``{"hints": [...], "prompt": {...}}``;
+``{"op": "finished", "req": id, "hashes": [hex, ...], "pool": bool, "pool_stats": {...}}`` ->
+``{"hints": [...], "prompt": {...}, "demote": [i, ...], "session_ended": bool}`` (``pool``: the
+scheduler half holds vLLM's pool, kvdb/integrations/vllm/pool.py; a lookup's answer then also
+carries ``prefix_blocks``, how many of its blocks its ``prefix_hash`` covers);
 ``{"op": "explain", "session_id": sid}``; ``{"op": "stats"}``. Errors come back as
 ``{"error": "..."}``. Frames over ``MAX_FRAME`` bytes close the connection; a request the
 scheduler would send over it is refused before sending (``FrameTooLarge``): a lookup goes again
