@@ -42,5 +42,48 @@ def bench_vllm_cmd(prompt_tokens: int, stored_fraction: float, repeats: int, dat
     emit(res, as_json)
 
 
+@click.command("vllm-agents")
+@click.option("--quick", is_flag=True, help="the smallest size: one short session of two kinds, a 2-layer model")
+@click.option("--repeats", type=click.IntRange(min=1), default=None, help="rounds of every configuration, interleaved")
+@click.option("--seed", type=int, default=None, help="the workload's seed")
+@click.option("--sessions", type=click.IntRange(min=0), default=None,
+              help="sessions of each kind (kvdb gen, agentic-mix, SWE-agent-like)")
+@click.option("--pool-blocks", type=click.IntRange(min=4), default=None, help="vLLM's KV pool (P blocks)")
+@click.option("--host-blocks", type=click.IntRange(min=1), default=None,
+              help="kvdb's host tier (H, in blocks; apc_equal gives them to vLLM instead)")
+@click.option("--time-scale", type=FiniteRange(0, None), default=None, help="tool waits and think times times this")
+@click.option("--config", "configs", multiple=True, help="only these configurations (repeatable)")
+@click.option("--data-dir", type=click.Path(file_okay=False), default=None, help="default: a temporary directory")
+@json_option
+def bench_vllm_agents_cmd(quick, repeats, seed, sessions, pool_blocks, host_blocks, time_scale, configs, data_dir,
+                          as_json) -> None:
+    """Agent sessions through vLLM's OpenAI server: APC alone, APC with kvdb's memory, kvdb (lru,
+    hints, disk), and after a restart. Reports TTFT, total time and where prompt tokens came from.
+    """
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        raise click.UsageError("this command needs vLLM: make install-vllm (the CPU build)") from None
+    import dataclasses
+
+    from kvdb.bench.vllm_agents import CONFIGS, FULL, QUICK, bench_vllm_agents
+
+    for c in configs:
+        if c not in CONFIGS:
+            raise click.BadParameter(f"unknown configuration {c!r}; one of {', '.join(CONFIGS)}", param_hint="--config")
+    sz = QUICK if quick else FULL
+    over = {"repeats": repeats, "seed": seed, "pool_blocks": pool_blocks, "host_blocks": host_blocks,
+            "time_scale": time_scale}
+    if sessions is not None:
+        over.update(gen_sessions=sessions, mix_sessions=sessions if not quick else 0, swe_sessions=sessions)
+    sz = dataclasses.replace(sz, **{k: v for k, v in over.items() if v is not None})
+    todo = tuple(configs) or CONFIGS
+    steps = sz.repeats * (len(todo) + sum(c in ("apc_equal", "kvdb_hints", "kvdb_disk") for c in todo))
+    with progress(steps, "bench vllm-agents", enabled=not as_json) as advance:
+        res = bench_vllm_agents(sz, configs=todo, data_dir=data_dir, progress=advance)
+    emit(res, as_json)
+
+
 def register(cli: click.Group) -> None:
     cli.commands["bench"].add_command(bench_vllm_cmd)
+    cli.commands["bench"].add_command(bench_vllm_agents_cmd)

@@ -13,6 +13,9 @@ of its process's life, so each scenario is a fresh interpreter. Scenarios:
     prompts  one process, a fresh path: an agent's two calls whose tool lists differ only in order,
              rendered by kvdb.prompts canonically (session "canon") and raw (session "raw"), the
              segments in kv_transfer_params["prompt"]
+    demote   one process: an agent's call ends with a tool-wait hint; the connector demotes its
+             blocks in vLLM's own pool (kvdb/integrations/vllm/pool.py); a second request runs the
+             queued op; reads the pool's free queue and the connector's counters
     stored   no engine: how many of P's blocks the Db at the path holds (read-only), and whether
              a writer can open it (nobody holds its lock)
     pool     (extra arguments URL ROLE MODE KEY_FILE NAMES) one engine on a shared Mooncake pool,
@@ -146,6 +149,43 @@ def pool(model: str, path: str, url: str, role: str, mode: str, key_file: str, n
     return res
 
 
+def demote(model: str, path: str) -> dict:
+    llm = make_llm(model, path, single=True)
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    def gen(ids, params):
+        sp = SamplingParams(max_tokens=4, temperature=0,
+                            extra_args={"kv_transfer_params": params} if params else None)
+        return llm.generate([TokensPrompt(prompt_token_ids=ids)], sp, use_tqdm=False)[0]
+
+    sched = llm.llm_engine.engine_core.engine_core.scheduler
+    bp = sched.kv_cache_manager.block_pool
+    gen(P2[:300], {"session_id": "other"})  # older: vLLM's LRU alone would reuse its blocks first
+    gen(P, {"session_id": "agent", "agent_id": "a", "expected_tool_duration_s": 30.0})
+    waiting = vllm_hashes_bytes(P)
+    gen(prompt(9, 200), None)  # the next request's lookup applies the queued demote
+    cached = [b for b in bp.free_block_queue.get_all_free_blocks() if b.block_hash is not None]
+    mine = {make_key(h) for h in waiting}
+    lead = 0
+    for b in cached:
+        if b.block_hash not in mine:
+            break
+        lead += 1
+    return {"pool": sched.connector.pool_ops.stats(), "leading_cached_of_agent": lead,
+            "agent_cached": sum(b.block_hash in mine for b in cached), "cached": len(cached)}
+
+
+def vllm_hashes_bytes(ids):
+    return [bytes.fromhex(x) for x in vllm_hashes(ids)]
+
+
+def make_key(h: bytes):
+    from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
+
+    return make_block_hash_with_group_id(h, 0)
+
+
 TOOLS = [{"name": f"tool_{i}", "description": f"looks up record kind {i} in the inventory and returns it. " * 4,
           "parameters": {"type": "object", "properties": {"id": {"type": "integer"}, "note": {"type": "string"}},
                          "required": ["id"]}} for i in range(4)]
@@ -186,7 +226,8 @@ if __name__ == "__main__":
     scenario, model, path, out = sys.argv[1:5]
     if scenario != "mp" and not (scenario == "pool" and sys.argv[7] == "mp"):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    scenarios = {"first": first, "restart": restart, "mp": mp, "prompts": prompts, "stored": stored, "pool": pool}
+    scenarios = {"first": first, "restart": restart, "mp": mp, "prompts": prompts, "stored": stored, "pool": pool,
+                 "demote": demote}
     result = scenarios[scenario](model, path, *sys.argv[5:])
     with open(out, "w") as f:
         json.dump(result, f, default=str)

@@ -117,6 +117,18 @@ class WaitsMixin:
         plan.timer = None
         self._waiting.discard(plan)
 
+    def agent_private(self, session_id: str, agent_id: str | None) -> tuple[float | None, frozenset] | None:
+        """An open agent's (seconds until its predicted return, None when it does not wait;
+        the keys of its private blocks), or None for an agent the Db has no plan of. For an
+        engine that keeps the agent's blocks in a pool of its own (the vLLM connector demotes
+        them there: kvdb/integrations/vllm/pool.py)."""
+        with self._lock:
+            plan = self._agents.get(session_id, {}).get(agent_id)
+            if plan is None:
+                return None
+            left = None if plan.return_s is None else plan.return_s - self._clock()
+            return left, frozenset(self._private(plan))
+
     def _workflow_waits(self, sid: str, now_s: float | None) -> None:
         wf = self.planner.workflow_of(sid)
         if wf is None:

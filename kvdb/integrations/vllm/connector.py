@@ -62,6 +62,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvdb.errors import FrameTooLarge, InvalidInput
+from kvdb.integrations.vllm.pool import PoolOps
 from kvdb.integrations.vllm.service import ServiceClient, call_oversized, local_service
 from kvdb.integrations.vllm.settings import Settings
 from kvdb.integrations.vllm.worker import Worker
@@ -106,6 +107,13 @@ class _ReqState:
     hint_outcomes: list = field(default_factory=list)
     hit_blocks: int = 0
     prompt: dict | None = None  # what became of kv_transfer_params["prompt"] (kvdb/integrations/vllm/service.py)
+    prefix_blocks: int = 0  # blocks of its session's prefix_hash (pinned in vLLM's pool: pool.py)
+
+
+def _session(request) -> str | None:
+    params = getattr(request, "kv_transfer_params", None)
+    sid = params.get("session_id") if isinstance(params, dict) else None
+    return sid if isinstance(sid, str) and sid else None
 
 
 def _tenant(request) -> str | None:
@@ -134,12 +142,19 @@ class KvdbConnector(KVConnectorBase_V1):
         self._reqs: dict[str, _ReqState] = {}
         self._client: ServiceClient | None = None
         self.worker: Worker | None = None
+        self.pool_ops: PoolOps | None = None  # vLLM's own pool, from the scheduler (pool.py)
         if role == KVConnectorRole.WORKER:
             self.worker = Worker(vllm_config, kv_cache_config, self.settings)
         else:
             watch_parent()
 
     # ================================================================ scheduler half
+    def bind_gpu_block_pool(self, gpu_block_pool) -> None:
+        """vLLM's scheduler hands over its BlockPool: kvdb's plans act on it (pool.py)."""
+        s = self.settings
+        if self.worker is None and (s.pool_demote or s.pool_pin_blocks):
+            self.pool_ops = PoolOps(gpu_block_pool, cap=s.pool_pin_blocks, idle_s=s.session_idle_s)
+
     def _call(self, msg: dict) -> dict | None:
         svc = local_service(self.settings.path)
         if svc is not None:
@@ -157,6 +172,8 @@ class KvdbConnector(KVConnectorBase_V1):
         return resp
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+        if self.pool_ops is not None:
+            self.pool_ops.apply()  # before vLLM allocates for this request (pool.py P1)
         st = self._reqs.get(request.request_id)
         first = st is None
         if first:
@@ -179,6 +196,7 @@ class KvdbConnector(KVConnectorBase_V1):
         if resp.get("prompt"):
             st.prompt = resp["prompt"]
         n = int(resp["hit_blocks"])
+        st.prefix_blocks = int(resp.get("prefix_blocks") or 0)
         st.hit_blocks = n
         st.saved = max(st.saved, n)
         st.local_blocks = num_computed_tokens // bt
@@ -192,6 +210,8 @@ class KvdbConnector(KVConnectorBase_V1):
         st.load = (st.local_blocks, num_external_tokens // self.block_size)
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        if self.pool_ops is not None:
+            self.pool_ops.apply()  # after this step's allocations: they hold from the next (pool.py P1)
         meta = KvdbConnectorMetadata()
         sched = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
@@ -246,14 +266,34 @@ class KvdbConnector(KVConnectorBase_V1):
         if st is not None and st.prompt is not None and st.prompt.get("status") == "accepted":
             n = len(getattr(request, "prompt_token_ids", None) or ()) // self.block_size
             msg["hashes"] = list(request.block_hashes[:n])  # the prompt's full blocks, noted under these
+        pool_req = st is not None and self.pool_ops is not None and _session(request) is not None
+        if pool_req:
+            msg.update(pool=True, pool_stats=self.pool_ops.stats(),
+                       hashes=list(request.block_hashes[:max(len(block_ids), len(msg.get("hashes", ())))]))
         resp = self._call(msg) or {}
+        if pool_req:
+            self._plan_pool(request, st, block_ids, resp)
         outcomes = (st.hint_outcomes if st is not None else []) + list(resp.get("hints") or [])
         if st is None:
             return False, None
-        answer = {"hit_tokens": st.hit_blocks * self.block_size, "hints": outcomes}
+        supplied = max(0, st.hit_blocks - st.local_blocks)  # blocks vLLM's own cache had are not kvdb's
+        answer = {"hit_tokens": supplied * self.block_size, "hints": outcomes}
         if st.prompt is not None:
             answer["prompt"] = {**st.prompt, **(resp.get("prompt") or {})}
         return False, {"kvdb": answer}
+
+    def _plan_pool(self, request: "Request", st: _ReqState, block_ids: list[int], resp: dict) -> None:
+        """Queue what kvdb's answer to the request's end says about its blocks in vLLM's pool."""
+        hashes = request.block_hashes
+        full = min(len(hashes), len(block_ids))
+        demote = [i for i in resp.get("demote") or () if isinstance(i, int) and 0 <= i < min(full, st.saved)]
+        if demote and self.settings.pool_demote:
+            self.pool_ops.demote([(block_ids[i], hashes[i]) for i in sorted(demote)])
+        sid = _session(request)
+        if st.prefix_blocks:
+            self.pool_ops.pin(sid, [(block_ids[i], hashes[i]) for i in range(min(st.prefix_blocks, full))])
+        if resp.get("session_ended"):
+            self.pool_ops.unpin(sid)
 
     # ================================================================ worker half
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
@@ -279,6 +319,8 @@ class KvdbConnector(KVConnectorBase_V1):
         return self.worker.take_load_errors() if self.worker is not None else set()
 
     def shutdown(self):
+        if self.pool_ops is not None:
+            self.pool_ops.unpin_all()  # pool.py P5
         if self.worker is not None:
             self.worker.close()
             self.worker = None
@@ -296,8 +338,12 @@ class KvdbConnector(KVConnectorBase_V1):
         return self._call({"op": "explain", "session_id": session_id})
 
     def kvdb_stats(self) -> dict | None:
-        """The connector's counters and ``Db.stats()``, from either half."""
-        return self._call({"op": "stats"})
+        """The connector's counters and ``Db.stats()``, from either half; ``pool``: the vLLM
+        pool ops (pool.py) of the scheduler half, as it last sent them to the worker."""
+        out = self._call({"op": "stats"})
+        if out is not None and self.pool_ops is not None:
+            out["pool"] = self.pool_ops.stats()
+        return out
 
 
 #: how often the engine process checks that the process which started it is still there

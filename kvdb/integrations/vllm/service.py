@@ -16,7 +16,10 @@ so the **worker owns the Db** and the scheduler asks it:
 Wire format (both directions): a 4-byte big-endian length, then a UTF-8 JSON object. Requests:
 ``{"op": "lookup", "req": id, "tenant": str, "hashes": [hex, ...], "params": {...} | null,
 "tokens": [int, ...]}`` -> ``{"hit_blocks": n, "hints": [...], "prompt": {...}}``;
-``{"op": "finished", "req": id, "hashes": [hex, ...]}`` -> ``{"hints": [...], "prompt": {...}}``;
+``{"op": "finished", "req": id, "hashes": [hex, ...], "pool": bool, "pool_stats": {...}}`` ->
+``{"hints": [...], "prompt": {...}, "demote": [i, ...], "session_ended": bool}`` (``pool``: the
+scheduler half holds vLLM's pool, kvdb/integrations/vllm/pool.py; a lookup's answer then also
+carries ``prefix_blocks``, how many of its blocks its ``prefix_hash`` covers);
 ``{"op": "explain", "session_id": sid}``; ``{"op": "stats"}``. Errors come back as
 ``{"error": "..."}``. Frames over ``MAX_FRAME`` bytes close the connection; a request the
 scheduler would send over it is refused before sending (``FrameTooLarge``): a lookup goes again
@@ -57,6 +60,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvdb.db.plans.waits import OFFLOAD_MIN_WAIT_S
 from kvdb.errors import FrameTooLarge, KvdbError
 from kvdb.integrations.vllm.endpoint import MAX_FRAME, Server, ServiceClient
 from kvdb.prompts.wire import from_params
@@ -72,6 +76,8 @@ FINISH_HINTS = ("expected_tool_duration_s",)
 FOREIGN_PREFIXES = ("do_remote_", "remote_", "kvdb")
 # the rendered prompt's segments (kvdb/prompts/wire.py), not a hint
 PROMPT_KEY = "prompt"
+# true in a session's last call: the session ends with it (its pins in vLLM's pool go too)
+END_KEY = "end_session"
 
 _registry: dict[str, "KvdbService"] = {}
 _registry_lock = threading.Lock()
@@ -117,6 +123,7 @@ class _Call:
     finish_hints: dict = field(default_factory=dict)
     tenant: str = ""
     prompt: Any = None  # the request's Rendered prompt, noted when it finishes
+    end: bool = False  # the session ends with this call (END_KEY)
 
 
 def _outcome(name: str, status: str, reason: str) -> dict:
@@ -135,6 +142,7 @@ class KvdbService:
         self._server: Server | None = None
         self.max_calls = MAX_OPEN_CALLS
         self.worker = None  # the Worker that owns the Db (kvdb/integrations/vllm/worker.py), for introspection
+        self.pool_stats: dict | None = None  # the scheduler half's vLLM pool ops (kvdb/integrations/vllm/pool.py)
 
     # -------------------------------------------------------------- registration
     def register(self, serve_socket: bool = True) -> None:
@@ -168,7 +176,11 @@ class KvdbService:
         with self._lock:
             known = req_id in self._calls
         call = None
+        keys = self.keys(tenant, hashes) if hashes else []
+        prefix = prefix_blocks(params, hashes, keys)
         if not known:
+            if prefix and isinstance(params, dict) and len(str(params.get("prefix_hash"))) != 2 * len(keys[0]):
+                params = dict(params, prefix_hash=keys[prefix - 1].hex())  # vLLM's hash -> its kvdb key
             call, outcomes = self._call_started(tenant, params)
             call.tenant = tenant
             with self._lock:
@@ -179,7 +191,6 @@ class KvdbService:
                 old.prompt = None
                 self._end_call(old)
         ctx = self.ctx(req_id)
-        keys = self.keys(tenant, hashes) if hashes else []
         n = self.db.match_prefix(keys, ctx=ctx) if keys else 0
         c = self.counters
         c.lookups += 1
@@ -187,6 +198,8 @@ class KvdbService:
         c.hit_blocks += n
         c.rejected_hints += sum(o.get("status") == "rejected" for o in outcomes)
         out = {"hit_blocks": n, "hints": outcomes}
+        if prefix:
+            out["prefix_blocks"] = prefix
         if call is not None and isinstance(params, dict) and PROMPT_KEY in params:
             out["prompt"] = self._read_prompt(call, params[PROMPT_KEY], tokens, keys)
         return out
@@ -241,7 +254,7 @@ class KvdbService:
                 outcomes.append(_outcome(name, "rejected", "must be a non-empty string of at most 256 characters"))
         start, finish = {}, {}
         for name, v in params.items():
-            if name in CALL_KEYS or name == PROMPT_KEY or not isinstance(name, str) or name.startswith(FOREIGN_PREFIXES):
+            if name in CALL_KEYS or name in (PROMPT_KEY, END_KEY) or not isinstance(name, str) or name.startswith(FOREIGN_PREFIXES):
                 continue
             (finish if name in FINISH_HINTS else start)[name] = v
         sid = ids.get("session_id")
@@ -256,16 +269,44 @@ class KvdbService:
         except (KvdbError, TypeError, ValueError, OverflowError) as e:
             outcomes.append(_outcome("session_id", "rejected", f"{type(e).__name__}: {e}"))
             return _Call(None, None, None, None), outcomes
-        return _Call(sid, ids.get("agent_id"), ids.get("node_id"), ctx, finish), outcomes
+        return _Call(sid, ids.get("agent_id"), ids.get("node_id"), ctx, finish, end=params.get(END_KEY) is True), outcomes
 
-    def finished(self, req_id: str, hashes=None) -> dict:
+    def finished(self, req_id: str, hashes=None, pool: bool = False) -> dict:
         """The end of ``req_id``: its session's ``call_finished``; its rendered prompt is noted
-        under the engine keys of ``hashes`` (its full prompt blocks)."""
+        under the engine keys of ``hashes`` (its full blocks; a prompt takes its own). With
+        ``pool`` (the scheduler holds vLLM's pool): ``demote``, the indices into ``hashes`` of
+        the blocks vLLM should reuse first (kvdb/integrations/vllm/pool.py), and
+        ``session_ended`` when the call ended its session (``end_session``)."""
         with self._lock:
             call = self._calls.pop(req_id, None)
         if call is None:
             return {"hints": []}
-        return self._end_call(call, hashes)
+        out = self._end_call(call, hashes)
+        if call.session_id is None or not (pool or call.end):
+            return out
+        try:
+            if pool and hashes:
+                out["demote"] = self._demote(call, list(hashes))
+            if call.end:
+                self.db.end_session(call.session_id)
+                out["session_ended"] = True
+        except KvdbError as e:
+            log.warning("kvdb: the end of request %s: %s", req_id, e)
+        return out
+
+    def _demote(self, call: _Call, hashes: list) -> list[int]:
+        """Blocks of the call kvdb holds and vLLM may reuse first: the agent's private ones
+        while it waits on a tool longer than the Db's own offload threshold (E1), or when its
+        session ends with this call."""
+        got = self.db.agent_private(call.session_id, call.agent_id)
+        if got is None:
+            return []
+        left, private = got
+        if not call.end and (left is None or left <= OFFLOAD_MIN_WAIT_S):
+            return []
+        keys = self.keys(call.tenant, hashes)
+        stored = self.db.match_prefix(keys, peek=True)  # connector I2: vLLM may drop only what kvdb holds
+        return [i for i in range(stored) if keys[i] in private]
 
     def _end_call(self, call: _Call, hashes=None) -> dict:
         prompt = {} if call.prompt is None else {"prompt": self._note_prompt(call, hashes)}
@@ -285,6 +326,8 @@ class KvdbService:
 
     def stats(self) -> dict:
         out = {"connector": self.counters.as_dict(), "db": self.db.stats()}
+        if self.pool_stats is not None:
+            out["pool"] = dict(self.pool_stats)
         if self._server is not None:
             out["endpoint"] = self._server.status()
         return out
@@ -299,7 +342,9 @@ class KvdbService:
                 return self.lookup(str(msg["req"]), str(msg["tenant"]), list(msg["hashes"]), msg.get("params"),
                                    msg.get("tokens"))
             if op == "finished":
-                return self.finished(str(msg["req"]), msg.get("hashes"))
+                if isinstance(msg.get("pool_stats"), dict):
+                    self.pool_stats = msg["pool_stats"]
+                return self.finished(str(msg["req"]), msg.get("hashes"), bool(msg.get("pool")))
             if op == "explain":
                 return self.explain(str(msg["session_id"]))
             if op == "stats":
@@ -334,3 +379,22 @@ def call_oversized(client: ServiceClient, msg: dict, err: FrameTooLarge) -> dict
     if resp is None or "error" in resp:
         return {"hit_blocks": 0, "hints": [outcome]}
     return dict(resp, hints=[outcome, *resp.get("hints", [])])
+
+
+def prefix_blocks(params: Any, hashes: list, keys: list[bytes]) -> int:
+    """How many of the request's blocks its ``prefix_hash`` hint covers: the hint names the
+    prefix's last block by vLLM's own block hash (hex) or by its kvdb key (hex, or the key);
+    0 when it names none of the request's blocks."""
+    if not isinstance(params, dict) or not keys:
+        return 0
+    v = params.get("prefix_hash")
+    if isinstance(v, (bytes, bytearray)):
+        v = bytes(v).hex()
+    if not isinstance(v, str) or len(v) > 256:
+        return 0
+    v = v.lower()
+    for seq in (keys, hashes):
+        for i, h in enumerate(seq):
+            if bytes(h).hex() == v:
+                return i + 1
+    return 0

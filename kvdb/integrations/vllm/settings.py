@@ -22,6 +22,8 @@
 ``kv_role`` (vLLM's own setting) decides the direction: ``kv_both`` loads and saves,
 ``kv_producer`` (a prefill engine) saves and never loads, ``kv_consumer`` (a decode engine)
 loads and never saves.
+| ``pool_demote`` | ``True`` | a waiting agent's blocks go first in vLLM's own pool (kvdb/integrations/vllm/pool.py) |
+| ``pool_pin_blocks`` | ``0`` | at most this many blocks of named shared prefixes pinned in vLLM's pool (0: none) |
 
 Unknown keys are refused (a typo must not silently fall back to a default).
 """
@@ -52,6 +54,8 @@ class Settings:
     shared: str | None = None
     shared_bytes: int = 0
     key_secret_file: str | None = None
+    pool_demote: bool = True
+    pool_pin_blocks: int = 0
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> "Settings":
@@ -88,6 +92,11 @@ class Settings:
             lend = parse_shared(shared, lend).lend_bytes
         else:
             lend = 0
+        demote, pins = extra.get("pool_demote", True), extra.get("pool_pin_blocks", 0)
+        if not isinstance(demote, bool):
+            raise InvalidInput(f"kv_connector_extra_config 'pool_demote' must be true or false, got {demote!r}")
+        if isinstance(pins, bool) or not isinstance(pins, int) or pins < 0:
+            raise InvalidInput(f"kv_connector_extra_config 'pool_pin_blocks' must be an integer >= 0, got {pins!r}")
         return cls(
             path=path,
             host_bytes=parse_size(extra.get("host_bytes", 4 << 30), "kv_connector_extra_config 'host_bytes'"),
@@ -102,6 +111,8 @@ class Settings:
             shared=shared,
             shared_bytes=lend,
             key_secret_file=extra.get("key_secret_file"),
+            pool_demote=demote,
+            pool_pin_blocks=pins,
         )
 
 
