@@ -15,7 +15,9 @@ is cached across rounds) and a fresh suffix per measurement. TTFT is the wall ti
 kvdb_disk_s <= 2 x vllm_prefix_hit_s, recompute_s / kvdb_host_s >= 3.
 
 The two phases run in fresh interpreters (``python -m kvdb.bench.vllm PHASE ...``): a vLLM engine
-keeps its process, and the disk figure needs a restart anyway.
+keeps its process, and the disk figure needs a restart anyway. ``kvdb bench shared`` runs two
+more phases here, ``pool_a`` and ``pool_b`` (``... PHASE ... OUT URL KEY_FILE``): two engines on
+a shared Mooncake pool (kvdb/bench/shared.py).
 """
 
 from __future__ import annotations
@@ -89,8 +91,12 @@ def phase(name: str, model: str, path: str, prompt_tokens: int, stored: int, rep
             out.setdefault("kvdb_host", []).append((s, cached))
             llm.reset_prefix_cache()
         elif name == "pool_b":  # a fresh process and an empty directory: the stored part comes from the pool
-            s, cached = _ttft(llm, prompt(2))
-            out.setdefault("pool", []).append((s, cached))
+            # then, in the same process, its own prefix hit (vLLM's cache warm) and a recompute
+            # (a prefix no engine saw): baselines that move with this process's speed
+            for key, ids in (("pool", prompt(2)), ("b_prefix_hit", prompt(3)),
+                             ("b_recompute", _tokens(3000 + r, prompt_tokens))):
+                s, cached = _ttft(llm, ids)
+                out.setdefault(key, []).append((s, cached))
             llm.reset_prefix_cache()
         else:
             s, cached = _ttft(llm, prompt(3))
