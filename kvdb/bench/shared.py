@@ -21,14 +21,39 @@ both sides of each figure, the side that goes first alternating, after one untim
 round (connections, first-touched memory). Figures are medians over ``repeats`` rounds, each
 with its runs and their spread (min, max); ``*_vs_store`` is the ratio of the medians (goal
 >= 0.8) and ``*_vs_store_runs`` the per-round ratios.
+
+With ``vllm=True`` the same run adds ``res["vllm"]``: time to first token of two real vLLM
+engines (CPU build, the tiny random-weight Llama of kvdb/bench/tiny_llama.py, ``LLM.generate``
+with ``max_tokens=1`` timed as in kvdb/bench/vllm.py) on a second private pool in the same
+namespace, one after the other, each a fresh interpreter (``python -m kvdb.bench.vllm pool_a``,
+``pool_b``) with its own data directory, ``kv_role="kv_both"``, ``shared=<pool>``,
+``shared_bytes=0`` and one ``key_secret_file`` (docs/vllm.md "Sharing blocks through a pool").
+Every round has its own prefix (``stored_tokens``, 7/8 of the prompt in whole 128-token blocks)
+and a fresh suffix per request:
+
+* ``recompute_s``        engine A, nothing cached anywhere: vLLM prefills the whole prompt;
+* ``vllm_prefix_hit_s``  engine A, the same prefix again with vLLM's own cache still warm;
+* ``pool_s``             engine B (started after A flushed its blocks to the pool and exited,
+                         an empty directory): the prefix is loaded from the pool;
+* ``b_prefix_hit_s``     engine B right after, the same prefix with vLLM's cache warm;
+* ``b_recompute_s``      engine B, a prefix no engine saw.
+
+The ``b_`` figures are the same baselines in B's own process (``b_recompute_vs_pool``,
+``pool_vs_b_prefix_hit``): on a shared machine an engine's speed swings between processes, and
+these tell the pool's cost from that swing.
+
+Goals: ``recompute_vs_pool`` (recompute_s / pool_s) >= 3 and ``pool_vs_prefix_hit``
+(pool_s / vllm_prefix_hit_s) <= 1.5; medians over ``repeats`` rounds with runs and spread.
 """
 
 from __future__ import annotations
 
+import secrets
 import shutil
 import statistics
 import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -59,8 +84,12 @@ def _figure(res: dict, name: str, nbytes: int, mine: list[float], base: list[flo
     res[f"{name}_meets_goal"] = res[f"{name}_vs_store"] >= GOAL
 
 
-def bench_shared(*, pages: int = 32, repeats: int = 4, dir_path: str | None = None, progress=None) -> dict:
-    """Every figure (see the module's docstring); ``progress(done, total)`` after each round."""
+VLLM_GOALS = {"recompute_vs_pool": ">= 3", "pool_vs_prefix_hit": "<= 1.5"}
+
+
+def bench_shared(*, pages: int = 32, repeats: int = 4, dir_path: str | None = None, progress=None,
+                 vllm: bool = False, vllm_prompt_tokens: int = 8192, vllm_repeats: int = 3) -> dict:
+    """Every figure (see the module's docstring); ``progress()`` after each round and each vLLM engine."""
     from kvdb.shared.localpool import LocalPool, isolated
 
     with isolated():
@@ -68,7 +97,76 @@ def bench_shared(*, pages: int = 32, repeats: int = 4, dir_path: str | None = No
         rounds = repeats + 1
         # every round's objects twice (the Db's and the baseline's), with room to spare
         with LocalPool([int(2 * pages * rounds * obj * 1.25) + (64 << 20)]) as pool:
-            return _run(pool, pages, repeats, dir_path, progress)
+            res = _run(pool, pages, repeats, dir_path, progress)
+        if vllm:  # the engines' processes inherit this thread's namespace
+            res["vllm"] = bench_vllm_pool(prompt_tokens=vllm_prompt_tokens, repeats=vllm_repeats,
+                                          dir_path=dir_path, progress=progress)
+        return res
+
+
+def _seconds(res: dict, name: str, runs: list[float]) -> None:
+    res[f"{name}_s"] = round(statistics.median(runs), 4)
+    res[f"{name}_s_runs"] = [round(x, 4) for x in runs]
+    res[f"{name}_s_spread"] = [round(min(runs), 4), round(max(runs), 4)]
+
+
+def bench_vllm_pool(*, prompt_tokens: int, repeats: int, dir_path: str | None = None, progress=None) -> dict:
+    """Engine A then engine B on a fresh private pool (call inside ``isolated()``): the ``vllm``
+    figures of the module's docstring."""
+    from kvdb.bench.tiny_llama import DEFAULT, build_tiny_llama
+    from kvdb.bench.vllm import BLOCK_TOKENS, _run_phase
+    from kvdb.shared.localpool import LocalPool, die_with_parent
+
+    stored = prompt_tokens * 7 // 8 // BLOCK_TOKENS * BLOCK_TOKENS
+    # float32 K and V of every layer: what one 128-token block is in the pool
+    block = (DEFAULT["num_hidden_layers"] * 2 * BLOCK_TOKENS * DEFAULT["num_key_value_heads"]
+             * DEFAULT["hidden_size"] // DEFAULT["num_attention_heads"] * 4)
+    # what the engines publish each round: A the first prompt and a suffix, B two suffixes and
+    # its recompute's prompt; plus their warm-up prompts (nothing may be evicted before B reads it)
+    saved = repeats * (5 * prompt_tokens - 3 * stored) // BLOCK_TOKENS + 16
+    root = Path(tempfile.mkdtemp(prefix="kvdb-bench-shared-vllm-", dir=dir_path))
+    t0 = time.perf_counter()
+    try:
+        model = build_tiny_llama(root / "model", max_position_embeddings=max(16384, prompt_tokens + 64))
+        key_file = root / "cluster.keysecret"
+        key_file.write_bytes(secrets.token_bytes(32))
+        with LocalPool([int(saved * (block + 64) * 1.5) + (64 << 20)]) as pool:
+            got = {}
+            for name in ("pool_a", "pool_b"):
+                got[name] = _run_phase(name, model, root / name, prompt_tokens, stored, repeats, pool.url,
+                                       str(key_file), preexec_fn=die_with_parent)
+                if progress is not None:
+                    progress()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    a, b = got["pool_a"], got["pool_b"]
+    rounds = {"recompute": a["recompute"], "vllm_prefix_hit": a["vllm_prefix_hit"], "pool": b["pool"],
+              "b_recompute": b["b_recompute"], "b_prefix_hit": b["b_prefix_hit"]}
+    cached = {k: [c for _, c in v] for k, v in rounds.items()}
+    if any(c < stored for c in cached["pool"]):
+        raise RuntimeError(f"engine B got {cached['pool']} of {stored} stored tokens from the pool; "
+                           f"A's shared tier: {a['shared']}; B's: {b['shared']}")
+    secs = {k: [s for s, _ in v] for k, v in rounds.items()}
+    res: dict = {"prompt_tokens": prompt_tokens, "stored_tokens": stored, "repeats": repeats}
+    for k, runs in secs.items():
+        _seconds(res, k, runs)
+    res["recompute_vs_pool"] = round(res["recompute_s"] / res["pool_s"], 3)
+    res["recompute_vs_pool_runs"] = [round(x / y, 3) for x, y in zip(secs["recompute"], secs["pool"])]
+    res["pool_vs_prefix_hit"] = round(res["pool_s"] / res["vllm_prefix_hit_s"], 3)
+    res["pool_vs_prefix_hit_runs"] = [round(x / y, 3) for x, y in zip(secs["pool"], secs["vllm_prefix_hit"])]
+    # the same ratios against engine B's own baselines (same process, same rounds)
+    res["b_recompute_vs_pool"] = round(res["b_recompute_s"] / res["pool_s"], 3)
+    res["pool_vs_b_prefix_hit"] = round(res["pool_s"] / res["b_prefix_hit_s"], 3)
+    res["goals"] = dict(VLLM_GOALS)
+    res["meets_goals"] = {"recompute_vs_pool": res["recompute_vs_pool"] >= 3,
+                          "pool_vs_prefix_hit": res["pool_vs_prefix_hit"] <= 1.5}
+    res["cached_tokens"] = cached
+    res["published_blocks"] = a["shared"]["puts"]
+    res["dropped_puts"] = a["shared"]["dropped_puts"]
+    res["pool_hits"] = b["shared"]["hits"]
+    res["corruptions"] = b["shared"]["corruptions"]
+    res["wall_s"] = round(time.perf_counter() - t0, 1)
+    return res
 
 
 def _run(pool, n: int, repeats: int, dir_path, progress) -> dict:
@@ -142,7 +240,7 @@ def _run(pool, n: int, repeats: int, dir_path, progress) -> dict:
                     get_s.append(times["get_kvdb"])
                     store_get_s.append(times["get_store"])
                 if progress is not None:
-                    progress(r + 1, repeats + 1)
+                    progress()
             shared_put, shared_get = a.stats()["shared"], b.stats()["shared"]
     finally:
         raw.unregister_buffer(src.ctypes.data)
