@@ -114,7 +114,7 @@ def bench_vllm_pool(*, prompt_tokens: int, repeats: int, dir_path: str | None = 
     """Engine A then engine B on a fresh private pool (call inside ``isolated()``): the ``vllm``
     figures of the module's docstring."""
     from kvdb.bench.tiny_llama import DEFAULT, build_tiny_llama
-    from kvdb.bench.vllm import BLOCK_TOKENS, _run_phase
+    from kvdb.bench.vllm import BLOCK_TOKENS, run_phase
     from kvdb.shared.localpool import LocalPool, die_with_parent
 
     stored = prompt_tokens * 7 // 8 // BLOCK_TOKENS * BLOCK_TOKENS
@@ -133,7 +133,7 @@ def bench_vllm_pool(*, prompt_tokens: int, repeats: int, dir_path: str | None = 
         with LocalPool([int(saved * (block + 64) * 1.5) + (64 << 20)]) as pool:
             got = {}
             for name in ("pool_a", "pool_b"):
-                got[name] = _run_phase(name, model, root / name, prompt_tokens, stored, repeats, pool.url,
+                got[name] = run_phase(name, model, root / name, prompt_tokens, stored, repeats, pool.url,
                                        str(key_file), preexec_fn=die_with_parent)
                 if progress is not None:
                     progress()

@@ -117,7 +117,7 @@ def _drop_page_cache(path: Path) -> None:
             drop_page_cache(f)
 
 
-def _run_phase(name: str, model: Path, path: Path, prompt_tokens: int, stored: int, repeats: int, *pool: str,
+def run_phase(name: str, model: Path, path: Path, prompt_tokens: int, stored: int, repeats: int, *pool: str,
                **popen) -> dict:
     out = path.parent / f"bench-{name}.json"
     p = subprocess.run([sys.executable, "-m", "kvdb.bench.vllm", name, str(model), str(path), str(prompt_tokens),
@@ -138,11 +138,11 @@ def bench_vllm(*, prompt_tokens: int = 8192, stored_fraction: float = 7 / 8, rep
         model = build_tiny_llama(root / "model", max_position_embeddings=max(16384, prompt_tokens + 64))
         path = root / "db"
         t0 = time.perf_counter()
-        rounds = _run_phase("host", model, path, prompt_tokens, stored, repeats)
+        rounds = run_phase("host", model, path, prompt_tokens, stored, repeats)
         if progress:
             progress(1)
         _drop_page_cache(path)
-        rounds.update(_run_phase("disk", model, path, prompt_tokens, stored, repeats))
+        rounds.update(run_phase("disk", model, path, prompt_tokens, stored, repeats))
         if progress:
             progress(1)
         wall = time.perf_counter() - t0
