@@ -39,6 +39,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import REGISTRY, CollectorRegistry
 
+from kvdb.threads import join_all
+
 _GAUGES = {"pages": "resident pages", "bytes": "resident bytes", "capacity_pages": "page capacity",
            "pinned_pages": "pages pinned now"}
 _COUNTERS = {"hits": "lookup hits", "misses": "lookup misses", "reads": "blocks read",
@@ -176,7 +178,14 @@ class MetricsServer:
             t = threading.Thread(target=self._serve, args=(conn,), name="kvdb-metrics-request", daemon=True)
             with self._lock:
                 self._threads.add(t)
-            t.start()
+            try:
+                t.start()
+            except RuntimeError:  # no thread to be had: give the slot back, refuse it
+                with self._lock:
+                    self._threads.discard(t)
+                self._slots.release()
+                conn.close()
+                self._count("refused")
 
     def _serve(self, conn: socket.socket) -> None:
         try:
@@ -236,8 +245,7 @@ class MetricsServer:
         self._thread.join(5)
         with self._lock:
             threads = list(self._threads)
-        for t in threads:
-            t.join(self.read_timeout_s + 1)
+        join_all(threads, self.read_timeout_s + 1)  # one deadline for all of them
 
 
 class _ServerCollector:

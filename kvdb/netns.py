@@ -17,6 +17,7 @@ from __future__ import annotations
 import ctypes
 import fcntl
 import os
+import signal
 import socket
 import struct
 from contextlib import contextmanager
@@ -79,3 +80,10 @@ def private_netns():
                 raise KvdbError(f"setns back to the original network namespace failed: {os.strerror(err)}")
     finally:
         os.close(home)
+
+
+def die_with_parent() -> None:
+    """A ``preexec_fn``: the child gets SIGKILL when its parent dies (PR_SET_PDEATHSIG), so no
+    node, pool or engine process outlives a killed test or benchmark run."""
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL)
+

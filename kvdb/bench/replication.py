@@ -41,7 +41,7 @@ import torch
 import kvdb
 from kvdb.errors import ReplicationError
 from kvdb.format.layout import BlockLayout
-from kvdb.netns import netns_unavailable, private_netns
+from kvdb.netns import die_with_parent, netns_unavailable, private_netns
 from kvdb.replication.peer import DEFAULT_CHUNK_BYTES, DEFAULT_WINDOW, Peer
 from kvdb.replication.replicator import Replicator
 from kvdb.replication.transport import transport_kind
@@ -67,14 +67,6 @@ def _spawn_peer(tmp: str, name: str, secret_file: str, host_pages: int, disk: bo
         cmd += ["--disk-bytes", "0"]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                             preexec_fn=die_with_parent)
-
-
-def die_with_parent() -> None:
-    """In a child before exec: get SIGKILL when the parent dies, so no peer outlives a killed run."""
-    import ctypes
-    import signal
-
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 def _address(proc: subprocess.Popen) -> str:

@@ -59,6 +59,7 @@ import numpy as np
 import torch
 
 from kvdb import BlockLayout
+from kvdb.format import shared_object as fmt
 
 # 8 layers x 2 x 64 tokens x 8 heads x 128 dims x 2 bytes = 2 MiB pages
 PAGE2M = BlockLayout(num_layers=8, num_kv_heads=8, head_dim=128, block_tokens=64, dtype=torch.bfloat16)
@@ -93,7 +94,7 @@ def bench_shared(*, pages: int = 32, repeats: int = 4, dir_path: str | None = No
     from kvdb.shared.localpool import LocalPool, isolated
 
     with isolated():
-        obj = PAGE2M.page_bytes + 64
+        obj = fmt.object_bytes(PAGE2M.page_bytes, False)
         rounds = repeats + 1
         # every round's objects twice (the Db's and the baseline's), with room to spare
         with LocalPool([int(2 * pages * rounds * obj * 1.25) + (64 << 20)]) as pool:
@@ -130,7 +131,7 @@ def bench_vllm_pool(*, prompt_tokens: int, repeats: int, dir_path: str | None = 
         model = build_tiny_llama(root / "model", max_position_embeddings=max(16384, prompt_tokens + 64))
         key_file = root / "cluster.keysecret"
         key_file.write_bytes(secrets.token_bytes(32))
-        with LocalPool([int(saved * (block + 64) * 1.5) + (64 << 20)]) as pool:
+        with LocalPool([int(saved * fmt.object_bytes(block, False) * 1.5) + (64 << 20)]) as pool:
             got = {}
             for name in ("pool_a", "pool_b"):
                 got[name] = run_phase(name, model, root / name, prompt_tokens, stored, repeats, pool.url,
@@ -175,7 +176,7 @@ def _run(pool, n: int, repeats: int, dir_path, progress) -> dict:
     lay = PAGE2M
     page = lay.page_bytes
     root = tempfile.mkdtemp(prefix="kvdb-bench-shared-", dir=dir_path)
-    staging = f"{max(64, 4 * n * (page + 64) >> 20)}MiB"  # two batches each way at least (docs/shared.md)
+    staging = f"{max(64, 4 * n * fmt.object_bytes(page, False) >> 20)}MiB"  # two batches each way at least (docs/shared.md)
     url = f"{pool.url}?staging={staging}&deadline_ms=5000"
 
     def open_db(name: str):

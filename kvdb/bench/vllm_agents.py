@@ -42,7 +42,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -70,7 +70,6 @@ class Sizes:
     restart_sessions: int = 4
     repeats: int = 1
     seed: int = 7
-    extra: dict = field(default_factory=dict)
 
     def block_bytes(self) -> int:
         return self.layers * 2 * BT * self.kv_heads * (self.hidden // self.heads) * 4
@@ -390,7 +389,7 @@ def _report(sz: Sizes, sessions: list[Session], runs: dict, outputs: dict, wall:
         return None
 
     return {
-        "sizes": {**{k: v for k, v in sz.__dict__.items() if k != "extra"}, "block_bytes": sz.block_bytes(),
+        "sizes": {**sz.__dict__, "block_bytes": sz.block_bytes(),
                   "host_bytes": sz.host_blocks * sz.block_bytes()},
         "workload": {"sessions": len(sessions), "calls": sum(len(s.calls) for s in sessions),
                      "prompt_tokens": sum(len(c.tokens) for s in sessions for c in s.calls),

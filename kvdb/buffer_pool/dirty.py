@@ -1,6 +1,6 @@
 """Dirty pages: the pool's bit per frame for a page not yet in the cold tier, and the batches the
-Db writes back (at close and flush: ``dirty_batches``, views of the arena; in the background:
-``copy_dirty``, kvdb/db/writeback.py). Part of ``BufferPool`` (kvdb/buffer_pool/pool.py), under
+Db writes back (``dirty_batches``: views of the arena at close and flush, copies in the
+background, kvdb/db/writeback.py). Part of ``BufferPool`` (kvdb/buffer_pool/pool.py), under
 the Db's lock like the rest of it.
 """
 
@@ -34,46 +34,33 @@ class DirtyPages:
         """How many resident pages are not yet in the cold tier."""
         return sum(len(self._dirty_frames(t)) for t in self.tiers if t is not None)
 
-    def _dirty_frames(self, t: Tier) -> list[int]:
-        """The frames of tier ``t`` holding dirty pages, ascending."""
-        keys = t.keys
-        return [f for f in np.flatnonzero(np.frombuffer(t.dirty, dtype=np.uint8)).tolist() if keys[f] is not None]
+    @staticmethod
+    def _dirty_frames(t: Tier):
+        """The frames of tier ``t`` whose dirty bit is set, ascending (numpy: no step per frame;
+        a free frame's bit is cleared wherever it is freed)."""
+        return np.flatnonzero(np.frombuffer(t.dirty, dtype=np.uint8))
 
-    def copy_dirty(self, staging: torch.Tensor) -> tuple[list[bytes], torch.Tensor, list[int]]:
-        """Up to ``len(staging)`` dirty pages, fastest tier first, copied into ``staging``:
-        (keys, staging[:n], positions). Nothing changes: ``mark_clean`` once they are written."""
-        keys: list[bytes] = []
-        positions: list[int] = []
-        for t in self.tiers:
-            room = staging.shape[0] - len(keys)
-            if t is None or room <= 0:
-                continue
-            frames = self._dirty_frames(t)[:room]
-            if frames:
-                t.arena.read(frames, staging, range(len(keys), len(keys) + len(frames)))
-                keys.extend(t.keys[f] for f in frames)
-                positions.extend(t.positions[f] for f in frames)
-        return keys, staging[: len(keys)], positions
-
-    def dirty_batches(self, max_bytes: int, staging: torch.Tensor | None = None):
-        """Every dirty resident page, in batches of at most ``max_bytes``: yields (keys, pages
-        uint8 [n, page_bytes] on the CPU, positions). A run of consecutive frames of a CPU arena
-        is a view of the arena (no copy); scattered or device pages are copied into ``staging``
-        (reused for each batch: the caller writes a batch before it asks for the next). Nothing
-        changes: ``mark_clean`` once a batch is written; the caller keeps the pool still meanwhile."""
+    def dirty_batches(self, max_bytes: int, staging: torch.Tensor | None = None, views: bool = True):
+        """Every dirty resident page, fastest tier first, in batches of at most ``max_bytes``:
+        yields (keys, pages uint8 [n, page_bytes] on the CPU, positions). With ``views``, a run of
+        consecutive frames of a CPU arena is a view of the arena (no copy: at close and flush,
+        kvdb/db/write.py); anything else is copied into ``staging`` (reused for each batch; the
+        background writer, kvdb/db/writeback.py, takes one batch under the Db's lock and writes
+        it outside). Nothing changes: ``mark_clean`` once a batch is written; the caller writes a
+        batch before it asks for the next."""
         per = max(1, max_bytes // self.page_bytes)
         for t in self.tiers:
             if t is None:
                 continue
             frames = self._dirty_frames(t)
             data = t.arena.data
-            i = 0
-            while i < len(frames):
-                chunk = frames[i : i + per]
-                i += len(chunk)
+            for i in range(0, len(frames), per):
+                chunk = [f for f in frames[i : i + per].tolist() if t.keys[f] is not None]
+                if not chunk:
+                    continue
                 keys = [t.keys[f] for f in chunk]
                 positions = [t.positions[f] for f in chunk]
-                if data.is_cpu and chunk[-1] - chunk[0] == len(chunk) - 1:
+                if views and data.is_cpu and chunk[-1] - chunk[0] == len(chunk) - 1:
                     yield keys, data[chunk[0] : chunk[-1] + 1], positions
                     continue
                 if staging is None or staging.shape[0] < len(chunk):

@@ -59,18 +59,15 @@ class AttachedMixin:
     def _offer_shared(self, keys: list, pages, rows: list[int]) -> None:
         """Hand the rows a put stored new to the shared tier (it copies them and returns)."""
         if self._shared is not None and rows:
-            sel = pages[rows[0] : rows[0] + len(rows)] if rows == list(range(rows[0], rows[0] + len(rows))) \
-                else pages[rows]
-            self._shared.offer([keys[i] for i in rows], sel)
+            self._shared.offer([keys[i] for i in rows], self._select(pages, rows))  # kvdb/db/write.py
 
     def wait_published(self, timeout_s: float | None = None) -> bool:
         """Wait until every block put so far is published to the shared tier or dropped (counted),
         without ``flush``'s write-back to disk: a prefill engine calls it before handing a request
         over through the pool. True at once without a shared tier; False when ``timeout_s`` ran out."""
         self._check()
-        if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float))
-                                      or not 0 <= timeout_s < math.inf):
-            raise InvalidInput(f"timeout_s must be None or a finite number of seconds >= 0, got {timeout_s!r:.40}")
+        if timeout_s is not None:
+            _check_timeout(timeout_s, "None or ")
         shared = self._shared
         return True if shared is None else shared.wait_published(timeout_s)
 
@@ -127,13 +124,7 @@ class AttachedMixin:
         """Wait until every follower confirmed everything written so far; returns that LSN.
         ReplicationError names the followers still behind after ``timeout_s``."""
         self._check()
-        try:  # before the flush it starts with; an int past float's range is no timeout either
-            ok = not isinstance(timeout_s, bool) and isinstance(timeout_s, (int, float)) and 0 <= timeout_s < math.inf
-            ok = ok and math.isfinite(float(timeout_s))
-        except OverflowError:
-            ok = False
-        if not ok:
-            raise InvalidInput(f"timeout_s must be a finite number of seconds >= 0, got {timeout_s!r:.40}")
+        _check_timeout(timeout_s)  # before the flush it starts with
         return self._need_replication().sync_replicas(timeout_s)
 
     def reseed_replica(self, addr: str) -> None:
@@ -152,3 +143,15 @@ class AttachedMixin:
             raise InvalidInput("this Db has no replication: open it with replication_secret_file= "
                                "(and peers= / replicas=)")
         return self._replication
+
+
+def _check_timeout(timeout_s, may_be: str = "") -> None:
+    """A finite number of seconds >= 0 (an int past float's range is no timeout either), else
+    InvalidInput."""
+    try:
+        ok = not isinstance(timeout_s, bool) and isinstance(timeout_s, (int, float)) and 0 <= timeout_s < math.inf
+        ok = ok and math.isfinite(float(timeout_s))
+    except OverflowError:
+        ok = False
+    if not ok:
+        raise InvalidInput(f"timeout_s must be {may_be}a finite number of seconds >= 0, got {timeout_s!r:.40}")

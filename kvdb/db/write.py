@@ -158,17 +158,14 @@ class WriteMixin:
             raise
 
     def _write_back_all(self) -> None:
-        """Caller holds our lock: every dirty page to the log, then one fsync. In batches of at
-        most WRITE_BACK_BYTES written straight from the arena (kvdb/buffer_pool/pool.py
-        ``dirty_batches``): no copy of the whole dirty set into fresh memory, whose first touch
-        cost more than the disk write (a 4 GiB close ran at ~0.1x the disk's speed)."""
-        wrote = False
+        """Caller holds our lock: every dirty page to the log (the caller's flush or the close's
+        checkpoint makes it durable). In batches of at most WRITE_BACK_BYTES written straight
+        from the arena (kvdb/buffer_pool/dirty.py ``dirty_batches``): no copy of the whole dirty
+        set into fresh memory, whose first touch cost more than the disk write (a 4 GiB close
+        ran at ~0.1x the disk's speed)."""
         for keys, pages, positions in self.pool.dirty_batches(WRITE_BACK_BYTES):
             self._cold_call(self._cold.put, keys, pages.numpy(), positions, "none")
             self.pool.mark_clean(keys)
-            wrote = True
-        if wrote:
-            self._cold_call(self._cold.flush)
 
     def flush(self, wait: bool = True) -> None:
         """Make every block stored so far durable (write back dirty pages, fsync) and, with a

@@ -41,9 +41,10 @@ def write_back_batch(db, staging: torch.Tensor) -> int:
         with db._lock:
             if db._state != "open":
                 return 0
-            keys, pages, positions = db.pool.copy_dirty(staging)  # B1
-        if not keys:
+            batch = next(db.pool.dirty_batches(staging.numel(), staging, views=False), None)  # B1
+        if batch is None:
             return 0
+        keys, pages, positions = batch
         db._cold_call(db._cold.put, keys, pages.numpy(), positions, "none")
         with db._lock:
             if db._state == "open":

@@ -12,7 +12,6 @@ raises saying so instead of exposing the pool. Processes die with their parent
 
 from __future__ import annotations
 
-import ctypes
 import os
 import shutil
 import signal
@@ -24,6 +23,7 @@ from itertools import count
 from pathlib import Path
 
 from kvdb.errors import InvalidInput
+from kvdb.netns import die_with_parent  # noqa: F401  (its callers import it from here too)
 
 _ports = count(50100, 2)  # master rpc port, metrics port + 1: one pair per pool of this process
 
@@ -70,11 +70,6 @@ def isolated():
         raise InvalidInput(f"cannot start a private Mooncake pool: {why}")
     with private_netns():
         yield
-
-
-def die_with_parent() -> None:
-    """A ``preexec_fn``: the child gets SIGKILL when its parent dies (PR_SET_PDEATHSIG)."""
-    ctypes.CDLL(None).prctl(1, signal.SIGKILL)
 
 
 class LocalPool:

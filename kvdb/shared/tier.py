@@ -64,7 +64,6 @@ class SharedTier:
         self._put_rows = self.staging[: n_put * self.obj_bytes].reshape(n_put, self.obj_bytes)
         self._get_rows = self.staging[n_put * self.obj_bytes :].reshape(n_get, self._get_row)
         self._put_t = torch.from_numpy(self._put_rows)
-        self._arena: torch.Tensor | None = None  # the host arena, registered for plain gets
         # free slots, reused last-in first-out (the rows used last are the ones in cache)
         self._free_put = deque(range(n_put))
         self._free_get = deque(range(n_get))
@@ -109,7 +108,6 @@ class SharedTier:
             if client.register(arena.data_ptr(), arena.numel()) != 0:
                 client.close()
                 return False
-            self._arena = arena
         self.client = client
         self._ready = True
         return True
@@ -203,7 +201,8 @@ class SharedTier:
         seen: set[bytes] = set()
         keep = [i for i, k in enumerate(keys) if k not in seen and not seen.add(k)]  # S6
         if len(keep) != len(keys):
-            self._give(self._free_put, [slots[i] for i in range(len(keys)) if i not in set(keep)])
+            kept = set(keep)
+            self._give(self._free_put, [slots[i] for i in range(len(keys)) if i not in kept])
             keys, slots = [keys[i] for i in keep], [slots[i] for i in keep]
         for k, s in zip(keys, slots):
             row = self._put_rows[s]
@@ -266,6 +265,19 @@ class SharedTier:
         self._absent.pop(key, None)
         return False
 
+    def _mark_absent(self, key: bytes, now: float) -> None:
+        """The pool lacks ``key`` until ``now + ABSENT_S``. Every entry lives ABSENT_S, so the
+        dict's order is expiry order (a key marked again moves to the end): expired entries are
+        dropped from the front, and the dict holds only the last ABSENT_S's misses."""
+        a = self._absent
+        a.pop(key, None)
+        a[key] = now + ABSENT_S
+        while a:
+            first = next(iter(a))
+            if a.get(first, now + 1) > now:
+                break
+            a.pop(first, None)
+
     def _not_absent(self, keys: list[bytes]) -> list[bytes]:
         for j, k in enumerate(keys):
             if self._is_absent(k):
@@ -324,7 +336,7 @@ class SharedTier:
             arena_np = frames.arena.numpy()  # the host tier: CPU memory
             for j, (k, s, c) in enumerate(zip(uniq, slots, codes)):
                 if c == OBJECT_NOT_FOUND:
-                    self._absent[k] = now + ABSENT_S
+                    self._mark_absent(k, now)
                     continue
                 if c < 0:
                     continue
@@ -395,8 +407,9 @@ class SharedTier:
         reader's lease stays until the lease ends, S6)."""
         if not keys or self.calls.state != "closed":
             return
+        now = self._clock()
         for k in keys:
-            self._absent[k] = self._clock() + ABSENT_S
+            self._mark_absent(k, now)
         names = fmt.object_names(self.ns, list(dict.fromkeys(keys)))
         client = self.client
         status, codes = self.calls.run(lambda: client.remove(names))

@@ -144,6 +144,6 @@ def test_wait_published_without_a_shared_tier(tmp_path):
     layout = kvdb.BlockLayout(num_layers=1, num_kv_heads=1, head_dim=8, block_tokens=4, dtype=torch.float16)
     with kvdb.open(tmp_path / "db", layout=layout, model_id="m", host_bytes=1 << 20, disk_bytes=0) as db:
         assert db.wait_published() is True and db.wait_published(timeout_s=0) is True
-        for bad in (-1, float("nan"), float("inf"), True, "1"):
+        for bad in (-1, float("nan"), float("inf"), True, "1", 10**400):
             with pytest.raises(InvalidInput, match="timeout_s"):
                 db.wait_published(timeout_s=bad)

@@ -173,7 +173,7 @@ class KvdbConnector(KVConnectorBase_V1):
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
         if self.pool_ops is not None:
-            self.pool_ops.apply()  # before vLLM allocates for this request (pool.py P1)
+            self.pool_ops.apply(sweep=False)  # before vLLM allocates for this request (pool.py P1)
         st = self._reqs.get(request.request_id)
         first = st is None
         if first:

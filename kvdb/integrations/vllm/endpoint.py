@@ -315,7 +315,13 @@ class Server:
             self._conns.add(conn)
             t = threading.Thread(target=self._serve, args=(conn, pid, engine), name="kvdb-vllm-conn", daemon=True)
             self._threads = [x for x in self._threads if x.is_alive()] + [t]
-            t.start()
+            try:
+                t.start()
+            except RuntimeError:  # no thread to be had: undo the admission, refuse it like one over the cap
+                self._leave(pid, engine, not engine)
+                self._conns.discard(conn)
+                conn.close()
+                self._count("refused_connections")
 
     def _handshake(self, conn: socket.socket) -> bool:
         deadline = time.monotonic() + self.handshake_timeout_s

@@ -73,10 +73,14 @@ class PoolCounters:
         return dict(self.__dict__)
 
 
-def _hash_key(block_hash: bytes) -> bytes:
-    from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
+_with_group = None  # vLLM's make_block_hash_with_group_id, imported at its first use
 
-    return make_block_hash_with_group_id(block_hash, GROUP)
+
+def _hash_key(block_hash: bytes) -> bytes:
+    global _with_group
+    if _with_group is None:
+        from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id as _with_group
+    return _with_group(block_hash, GROUP)
 
 
 class PoolOps:
@@ -112,8 +116,9 @@ class PoolOps:
         self._ops.put(op)
 
     # ---------------------------------------------------------------- applying (main thread)
-    def apply(self) -> int:
-        """Every queued op, in order (P1); returns how many ran."""
+    def apply(self, sweep: bool = True) -> int:
+        """Every queued op, in order (P1); returns how many ran. ``sweep``: also unpin the
+        sessions idle past ``idle_s`` (once a step is enough: at ``build_connector_meta``)."""
         n = 0
         while True:
             try:
@@ -126,7 +131,7 @@ class PoolOps:
                 getattr(self, "_" + op[0])(*op[1:])
             except Exception:  # a pool op is an optimisation: it must never fail the step
                 log.exception("kvdb: vLLM pool op %s failed", op[0])
-        if self.idle_s is not None and self._seen:
+        if sweep and self.idle_s is not None and self._seen:
             now = self.clock()
             for sid in [s for s, t in self._seen.items() if now - t > self.idle_s]:
                 self._unpin(sid)

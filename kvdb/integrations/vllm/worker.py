@@ -203,12 +203,15 @@ class Worker:
                 saved = self.db.put_blocks(keys, buf[:n], positions=range(m.first_block, m.first_block + n),
                                            ctx=self.service.ctx(m.req_id))
                 self.service.counters.saved_blocks += saved
-                if saved:  # on disk soon, not at the background writer's next round: vLLM's
-                    self.db.flush(wait=False)  # default shutdown kills this process (docs/vllm.md)
-                    stored += saved
+                stored += saved
             except KvdbError as e:  # a save that cannot be made is a future miss, never a failed step
                 self.service.counters.failed_saves += 1
                 log.warning("kvdb: request %s: %d blocks not saved: %s", m.req_id, n, e)
+        if stored:  # on disk soon, not at the background writer's next round: vLLM's default
+            try:  # shutdown kills this process (docs/vllm.md "What survives a stop")
+                self.db.flush(wait=False)
+            except KvdbError as e:
+                log.warning("kvdb: %d saved blocks not handed to the background writer: %s", stored, e)
         if stored and self.handover:  # a prefill engine's blocks are in the pool before vLLM hands the request on
             try:
                 if not self.db.wait_published(HANDOVER_WAIT_S):
